@@ -1,0 +1,1 @@
+"""Entry points: the Starlette app, platform adapters and the `warmstart` command line."""

@@ -1,0 +1,144 @@
+"""The server's face: many coroutines submit, stream and abort; one thread runs the step loop.
+
+The engine is touched only by its own thread. Coroutines send it commands through a queue and get
+their outputs back through per-request asyncio queues, so the event loop never waits on a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from runtime.engine import EngineOptions, LLMEngine, Prompt
+from runtime.outputs import EngineStats, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+Command = Callable[[], Any]
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error; the server should report unhealthy and restart."""
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Command, concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="warmstart-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path, options: EngineOptions | None = None) -> AsyncLLM:
+        return cls(LLMEngine.from_hf(model_dir, options))
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield an output each time the request gains tokens; the last one has ``finished`` set.
+
+        Leaving the iteration early (a client that went away) aborts the request and frees its blocks.
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+
+        def add() -> str:
+            rid = self.engine.add_request(prompt, params, request_id)
+            with self._lock:
+                self._streams[rid] = (loop, outputs)
+            return rid
+
+        rid = await self._call(add)
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished and self.error is None:
+                self._submit(lambda: self.engine.abort(rid))
+
+    async def abort(self, request_id: str) -> None:
+        out = await self._call(lambda: self.engine.abort(request_id))
+        if out is not None:
+            self._deliver([out])
+
+    async def stats(self) -> EngineStats:
+        return await self._call(self.engine.stats)  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- engine thread --------------------------------------------------------------------------------
+
+    async def _call(self, fn: Command) -> Any:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _submit(self, fn: Command) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished()
+                while True:
+                    try:
+                        item = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        return
+                    fn, future = item
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # the caller's error (a bad request), not the engine's
+                        future.set_exception(e)
+                    block = False
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+        except BaseException as e:
+            self.error = e
+            dead = EngineDeadError(f"the engine stopped: {e!r}")
+            with self._lock:
+                streams = list(self._streams.values())
+            for loop, q in streams:
+                loop.call_soon_threadsafe(q.put_nowait, dead)
+            while True:  # fail whatever is still queued instead of leaving callers waiting
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[1].set_exception(dead)
+            raise
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    loop, q = target
+                    loop.call_soon_threadsafe(q.put_nowait, out)

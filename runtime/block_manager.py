@@ -1,0 +1,183 @@
+"""The paged KV pool's bookkeeping: free list, reference counts and the prefix cache of full blocks.
+
+Free blocks live in one LRU-ordered dict. A block whose reference count drops to zero keeps its hash and
+stays findable by the prefix cache until it is taken for new tokens, oldest first; that is how cached
+prefixes survive without costing the pool anything.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+import xxhash
+
+from runtime.sequence import Sequence
+
+NO_PARENT = 0
+
+
+def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
+    """Chained hash of one full block: covers every token before it through the parent's hash."""
+    return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
+
+
+def block_hashes(token_ids: Seq[int], block_size: int, parent_hash: int = NO_PARENT) -> list[int]:
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+        hashes.append(parent_hash)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which served from the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    # -- prefix cache ---------------------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
+        """Blocks holding the longest cached prefix of ``token_ids`` and their hashes.
+
+        The last token is never served from the cache: its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        blocks: list[int] = []
+        hashes = block_hashes(token_ids[: max_blocks * self.block_size], self.block_size)
+        for i, h in enumerate(hashes):
+            block = self.cached.get(h)
+            start = i * self.block_size
+            if block is None or self.block_tokens[block] != tuple(token_ids[start : start + self.block_size]):
+                break
+            blocks.append(block)
+        return blocks, hashes[: len(blocks)]
+
+    def start(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Admit a waiting sequence: take its cached prefix, then blocks for ``num_new_tokens`` more.
+
+        Returns False, changing nothing, when the pool cannot hold it now. ``num_new_tokens`` counts from
+        the end of the cached prefix, so callers ask ``seq.num_computed_tokens`` afterwards.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        hit_blocks, hit_hashes = self.find_cached_prefix(seq.token_ids)
+        num_hit_tokens = len(hit_blocks) * self.block_size
+        num_new_tokens = min(num_new_tokens, seq.num_tokens - num_hit_tokens)
+        total = -(-(num_hit_tokens + num_new_tokens) // self.block_size)
+        reusable_free = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)
+        if total - len(hit_blocks) > len(self.free) - reusable_free:
+            return False
+        for block in hit_blocks:
+            self._take(block)
+        seq.block_table = hit_blocks
+        seq.block_hashes = hit_hashes
+        seq.num_computed_tokens = num_hit_tokens
+        self._append_blocks(seq, total - len(hit_blocks))
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_hit_tokens
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += num_hit_tokens
+        return True
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of a running sequence; False if the pool is full."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free):
+            return False
+        self._append_blocks(seq, needed)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else NO_PARENT
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = hash_block(parent, tokens)
+            seq.block_hashes.append(parent)
+            block = seq.block_table[i]
+            if self.enable_prefix_caching and block != Sequence.NO_BLOCK and parent not in self.cached:
+                self.cached[parent] = block
+                self.block_hash[block] = parent
+                self.block_tokens[block] = tokens
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release every block; tail first, so a shared head stays cached longest."""
+        for block in reversed(seq.block_table):
+            if block != Sequence.NO_BLOCK:
+                self._release(block)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def free_outside_window(self, seq: Sequence, window: int) -> None:
+        """Let go of blocks no future query can see: all their positions are <= next_position - window."""
+        first_visible = seq.num_computed_tokens - window + 1
+        for i in range(max(0, first_visible) // self.block_size):
+            block = seq.block_table[i]
+            if block != Sequence.NO_BLOCK:
+                self._release(block)
+                seq.block_table[i] = Sequence.NO_BLOCK
+
+    def pin(self, block: int) -> None:
+        """Hold a block for good (snapshot prefixes): it is never freed or evicted."""
+        self._take(block)
+
+    def register(self, block: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Make a block whose KV was filled from outside (a snapshot) findable by the prefix cache."""
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+        self.block_tokens[block] = token_ids
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _append_blocks(self, seq: Sequence, count: int) -> None:
+        for _ in range(count):
+            block, _ = self.free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} released more often than taken"
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+            self.block_tokens[block] = None

@@ -1,0 +1,217 @@
+"""Model hyperparameters read from an HF ``config.json``, with the per-family switches the engine needs."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ModelConfigError(ValueError):
+    """The model directory holds something the engine cannot run; the message says what."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    # One entry per layer: the sliding window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides by the same one (then old blocks can be freed), else None."""
+        windows = set(self.sliding_windows)
+        if len(windows) == 1:
+            return next(iter(windows))
+        return None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{model_dir} has no config.json: expected an HF model directory")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"{source}: architecture {archs or raw.get('model_type')!r} is not supported; "
+                f"warmstart runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ModelConfigError(f"{source}: missing required field {key!r} for {arch}")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        num_layers = int(need("num_hidden_layers"))
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
+        if raw.get("mlp_bias"):
+            raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
+
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        rope_theta = float(raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0)
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ModelConfigError(
+                    f"{source}: rope scaling type {rope_type!r} is not supported "
+                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+            rope_scaling = {**rope_scaling, "rope_type": rope_type}
+            if rope_type == "default":
+                rope_scaling = None
+
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias")),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(raw, family, num_layers),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _sliding_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types is None and family in ("qwen2", "qwen3"):
+        first_sliding = int(raw.get("max_window_layers", num_layers))
+        layer_types = ["sliding_attention" if i >= first_sliding else "full" for i in range(num_layers)]
+    if layer_types is None:
+        return (int(window),) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale, computed exactly as transformers does for each rope type."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    rope_type = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    return _yarn_inv_freq(config, scaling, factor)
+
+
+def _yarn_inv_freq(config: ModelConfig, scaling: dict[str, Any], factor: float) -> tuple[torch.Tensor, float]:
+    dim = config.head_dim
+    base = config.rope_theta
+    original_max = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, float(attention_factor)

@@ -1,0 +1,240 @@
+"""The step loop: requests in, one scheduled batch per step, tokens and text out."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.config import ModelConfig
+from runtime.model import Model
+from runtime.model_runner import ModelRunner
+from runtime.outputs import EngineStats, RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.sequence import Sequence
+from runtime.tokenizer import Detokenizer, Tokenizer
+from runtime.weights import load_weights
+
+Prompt = str | list[int]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineOptions:
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the pool from available memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory_fraction: float = 0.25  # of available memory, when sizing the pool
+    seed: int | None = None  # for requests without a seed of their own
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+
+
+class LLMEngine:
+    def __init__(self, model: Model, tokenizer: Tokenizer | None, options: EngineOptions) -> None:
+        options.validate()
+        c = model.config
+        self.config = c
+        self.options = options
+        self.tokenizer = tokenizer
+        self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        num_blocks = options.num_kv_blocks or self._blocks_from_memory()
+        self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.blocks, options.max_num_seqs, options.max_num_batched_tokens, c.uniform_window
+        )
+        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed)
+        self.requests: dict[str, tuple[Sequence, Detokenizer | None]] = {}
+        self.eos_token_ids = set(c.eos_token_ids)
+        self._ids = itertools.count()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path, options: EngineOptions | None = None) -> LLMEngine:
+        options = options or EngineOptions()
+        options.validate()
+        config = ModelConfig.from_dir(model_dir)
+        weights = load_weights(model_dir, config, DTYPES[options.dtype])
+        max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
+        return cls(Model(config, weights, max_len), tokenizer, options)
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue one request; raises ValueError naming the bad field, queuing nothing."""
+        seq = self.make_sequence(prompt, params, request_id)
+        detok = None
+        if self.tokenizer is not None:
+            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.requests[seq.request_id] = (seq, detok)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        vocab = self.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            bad = next(t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
+                "(shorten the prompt or raise max_model_len)"
+            )
+        needed = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if self.config.uniform_window is None and -(-needed // self.blocks.block_size) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens need {needed} tokens of KV cache but the pool holds "
+                f"{self.blocks.num_blocks * self.blocks.block_size} (lower max_tokens or raise num_kv_blocks)"
+            )
+        seq = Sequence(request_id, list(token_ids), len(token_ids), params)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        return seq
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but this model has no tokenizer.json; send token ids instead")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, or None if it was not live."""
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return None
+        seq, detok = entry
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, detok, [], detok.flush() if detok else "")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled, tokens, logprobs = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            self.prompt_tokens += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+        now = time.monotonic()
+        outputs = []
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.timestamps.first_token is None:
+                seq.timestamps.first_token = now
+            detok = self.requests[seq.request_id][1]
+            delta = detok.add(token) if detok else None
+            stopped = delta is not None and delta.stopped
+            reason = "stop" if stopped else self._finish_reason(seq, token)
+            text = delta.text if delta else ""
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+                if detok is not None and not stopped:
+                    text += detok.flush()
+            outputs.append(self._output(seq, detok, [token], text))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(
+        self, seq: Sequence, detok: Detokenizer | None, new_tokens: list[int], new_text: str
+    ) -> RequestOutput:
+        finished = seq.is_finished
+        text = ""
+        if detok is not None:
+            text = detok.text[: detok.emitted]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            timestamps=seq.timestamps,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.blocks.num_blocks,
+            num_kv_blocks_used=self.blocks.num_used_blocks,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def _blocks_from_memory(self) -> int:
+        c, o = self.config, self.options
+        elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
+        block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
+        budget = int(_available_memory() * o.kv_cache_memory_fraction)
+        useful = o.max_num_seqs * -(-self.max_model_len // o.block_size)  # more could never be used at once
+        return max(1, min(budget // block_bytes, useful))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))

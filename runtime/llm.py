@@ -1,0 +1,75 @@
+"""The offline face: ``LLM.from_hf(dir).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from runtime.engine import EngineOptions, LLMEngine, Prompt
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def from_hf(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+    ) -> LLM:
+        options = EngineOptions(
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            seed=seed,
+        )
+        return cls(LLMEngine.from_hf(model_dir, options))
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in the prompts' order.
+
+        Every prompt is validated before any is queued, so one bad prompt raises and runs nothing.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+        for i, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
+            try:
+                self.engine.make_sequence(prompt, p, request_id=f"__check_{i}")
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompt_list, param_list, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

@@ -1,0 +1,88 @@
+"""The decoder: one implementation for Llama, Mistral, Qwen2 and Qwen3, over a flat batch of tokens.
+
+Every operation mirrors transformers' arithmetic (norms in float32, residuals in the model dtype, rotary
+tables cast to the model dtype) so that float32 outputs match it to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import AttentionMetadata, paged_attention, write_kv
+from runtime.config import ModelConfig, rope_inv_freq
+from runtime.weights import ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryTables:
+    """cos/sin for every position up to ``max_positions``, computed once."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
+        inv_freq, scale = rope_inv_freq(config)
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scale).to(dtype)
+        self.sin = (emb.sin() * scale).to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a step's positions, shaped to broadcast over heads: [N, 1, head_dim]."""
+        return self.cos.index_select(0, positions)[:, None, :], self.sin.index_select(0, positions)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_positions: int) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = weights.embed.dtype
+        self.rotary = RotaryTables(config, max_positions, self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``."""
+        c, w = self.config, self.weights
+        n = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        x = F.embedding(input_ids, w.embed)
+        cos, sin = self.rotary.lookup(positions)
+        for i, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = q.view(n, c.num_heads, c.head_dim)
+            k = k.view(n, c.num_kv_heads, c.head_dim)
+            v = v.view(n, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q, k = apply_rotary(q, k, cos, sin)
+            write_kv(kv_caches[i], k, v, meta.slot_mapping)
+            attn = paged_attention(q, kv_caches[i], meta, c.sliding_windows[i])
+            x = x + F.linear(attn, layer.o_proj)
+            h = rms_norm(x, layer.post_norm, eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(x[logits_index], w.norm, eps)
+        return F.linear(h, w.lm_head).float()

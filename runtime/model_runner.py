@@ -1,0 +1,98 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV pool and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.attention import AttentionGroup, AttentionMetadata
+from runtime.model import Model
+from runtime.sampler import Sampler
+from runtime.scheduler import ScheduledBatch
+from runtime.sequence import Sequence, TokenLogprobs
+
+
+class ModelRunner:
+    def __init__(self, model: Model, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        # One pool per layer: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]. Left uninitialized so
+        # a large pool costs nothing at start; blocks are zeroed on first use (see _zero_new_blocks).
+        self.kv_caches = [
+            torch.empty(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+            for _ in range(c.num_layers)
+        ]
+        self.zeroed_blocks = 0
+        self.sampler = Sampler(seed)
+        self.window = c.uniform_window
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+        """Compute the batch; return the sequences that reached their last known token and their samples."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[Sequence] = []
+        groups: list[AttentionGroup] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_rows.append(row)
+                decode_seqs.append(seq)
+            else:
+                groups.append(self._group(torch.arange(row, row + n), [seq], torch.arange(start, start + n), False))
+            if start + n == seq.num_tokens:
+                logits_rows.append(row + n - 1)
+                sampled.append(seq)
+            row += n
+        if decode_seqs:
+            q_pos = torch.tensor([s.num_computed_tokens for s in decode_seqs])
+            groups.append(self._group(torch.tensor(decode_rows), decode_seqs, q_pos, True))
+
+        self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
+        logits = self.model.forward(
+            torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta, torch.tensor(logits_rows)
+        )
+        if not sampled:
+            return [], [], []
+        tokens, logprobs = self.sampler(logits, sampled)
+        return sampled, tokens, logprobs
+
+    def _zero_new_blocks(self, highest_block: int) -> None:
+        """Attention reads whole blocks and masks what is past a sequence's end; masked garbage must still
+        be finite (0 * NaN is NaN), so memory that was never written is zeroed before its first read."""
+        if highest_block >= self.zeroed_blocks:
+            for cache in self.kv_caches:
+                cache[:, self.zeroed_blocks : highest_block + 1].zero_()
+            self.zeroed_blocks = highest_block + 1
+
+    def _group(
+        self, token_index: torch.Tensor, seqs: list[Sequence], query_positions: torch.Tensor, is_decode: bool
+    ) -> AttentionGroup:
+        """Block tables of ``seqs``, from the first block any of their queries can see, padded to one width."""
+        bs = self.block_size
+        first = 0
+        if self.window is not None:
+            first = max(0, int(query_positions.min()) - self.window + 1) // bs
+        end = max(-(-(s.num_computed_tokens + (1 if is_decode else len(token_index))) // bs) for s in seqs)
+        width = max(1, end - first)
+        rows = [[max(b, 0) for b in s.block_table[first:end]] for s in seqs]
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        return AttentionGroup(
+            token_index=token_index,
+            block_tables=table,
+            query_positions=query_positions,
+            first_key_position=first * bs,
+            is_decode=is_decode,
+            block_size=bs,
+        )

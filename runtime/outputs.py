@@ -1,0 +1,39 @@
+"""What the engine hands back for a request: cumulative results plus what is new since the last output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sequence import Timestamps, TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # their text so far, stop strings applied
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    timestamps: Timestamps | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found there
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens computed (not counting cache hits)
+    generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks

@@ -1,0 +1,78 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+A random draw uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p exactly
+and lets each seeded request draw its noise from its own generator: the same seed gives the same
+tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.sequence import Sequence, TokenLogprobs
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        params = [s.params for s in seqs]
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows)
+            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
+        token_list: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            rows = torch.tensor(wanted)
+            lp = torch.log_softmax(logits[rows], dim=-1)
+            chosen = lp.gather(1, tokens[rows][:, None])[:, 0].tolist()
+            top_n = max(params[i].logprobs or 0 for i in wanted)
+            top_vals, top_ids = lp.topk(top_n, dim=-1) if top_n else (lp[:, :0], lp[:, :0].long())
+            for j, i in enumerate(wanted):
+                n = params[i].logprobs or 0
+                top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+                logprobs[i] = TokenLogprobs(token_list[i], chosen[j], top)
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        x = logits / torch.tensor([p.temperature for p in params])[:, None]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else x.shape[1] for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        if (top_k < x.shape[1]).any() or (top_p < 1.0).any():
+            x = _apply_top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params])
+        if (min_p > 0).any():
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every logit outside each row's top-k and its smallest top-p nucleus."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    ranks = torch.arange(x.shape[1])[None, :]
+    drop = ranks >= top_k[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    nucleus = torch.where(top_p < 1.0, top_p, 2.0)  # no rounding-error cut when top-p is off
+    drop |= (mass_before >= nucleus[:, None]) & (ranks > 0)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)

@@ -1,0 +1,105 @@
+"""Continuous batching: each step spends a token budget on running sequences first, then admits waiting ones.
+
+There is no separate prefill phase. Every sequence has tokens known and tokens computed; a step closes
+part of that gap (one token for a decoding sequence, a chunk of a prompt otherwise). When the KV pool
+runs dry, the most recently admitted sequence is preempted: its blocks are freed and it is recomputed
+later, helped by whatever of its prefix is still cached.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.block_manager import BlockManager
+from runtime.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # new tokens computed this step, per sequence
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.sliding_window = sliding_window
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self.sliding_window is not None:
+                self.blocks.free_outside_window(seq, self.sliding_window)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.grow(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+                i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if not self.blocks.start(seq, budget):
+                break
+            self.waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.status = Status.RUNNING
+            if seq.timestamps.scheduled is None:
+                seq.timestamps.scheduled = time.monotonic()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the engine, wherever it is, and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.timestamps.finished = time.monotonic()
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_seq(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

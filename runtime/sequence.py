@@ -1,0 +1,72 @@
+"""One request as the engine sees it: its tokens, how many are computed, and the KV blocks that hold them."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timestamps:
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and the top-n alternatives, from the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    # Block ids in position order; NO_BLOCK where a sliding window let the block go.
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks computed so far (parents of the next one).
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    timestamps: Timestamps = field(default_factory=lambda: Timestamps(time.monotonic()))
+    num_preemptions: int = 0
+
+    NO_BLOCK = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,118 @@
+"""Tokenizing, chat templates and streaming detokenization with ``tokenizers`` and ``jinja2`` only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialized as an object
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer file is required)")
+        self.hf = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.chat_template: str | None = config.get("chat_template")
+        template_file = model_dir / "chat_template.jinja"
+        if self.chat_template is None and template_file.is_file():
+            self.chat_template = template_file.read_text()
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template already writes the special tokens it wants (as HF's apply_chat_template assumes).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+_templates: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    if source not in _templates:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        _templates[source] = env.from_string(source)
+    return _templates[source]
+
+
+@dataclass
+class TextDelta:
+    text: str
+    stopped: bool  # a stop string was found; the text ends before it (or after it, if asked)
+
+
+class Detokenizer:
+    """Turns one request's generated tokens into text as they come and finds its stop strings.
+
+    Text that could still turn out to be the start of a stop string is held back until it cannot.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.stop = stop
+        self.include_stop = include_stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # characters of ``text`` already handed out
+
+    def add(self, token_id: int) -> TextDelta:
+        try:
+            piece = self.stream.step(self.tokenizer.hf, token_id) or ""
+        except Exception:  # an id the tokenizer lacks (model vocab padded past the tokenizer's)
+            piece = ""
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += piece
+        found = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]
+        if found:
+            at, s = min(found)
+            self.text = self.text[: at + len(s) if self.include_stop else at]
+            return TextDelta(self._take(len(self.text)), stopped=True)
+        return TextDelta(self._take(len(self.text) - self.hold), stopped=False)
+
+    def flush(self) -> str:
+        """The held-back tail, once the request has finished for another reason."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        end = max(end, self.emitted)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

@@ -1,0 +1,146 @@
+"""Read an HF checkpoint (one or many safetensors files) into the engine's layout: fused QKV and gate/up."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runtime.config import ModelConfig, ModelConfigError
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by a stable name (engine layout), for snapshots and size accounting."""
+        out = {"embed": self.embed, "norm": self.norm}
+        if self.lm_head is not self.embed:
+            out["lm_head"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            for name, t in vars(layer).items():
+                if t is not None:
+                    out[f"layers.{i}.{name}"] = t
+        return out
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelConfigError(f"{index} is malformed ({e}); expected a 'weight_map' object") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(
+            f"{model_dir} holds no *.safetensors weights (pytorch_model.bin checkpoints are not supported; "
+            "re-save the model with safe_serialization=True)"
+        )
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelConfigError(f"{model_dir}: the index names shard(s) that are not there: {', '.join(missing)}")
+    return files
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+    model_dir = Path(model_dir)
+    raw: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    raw[name.removeprefix("model.")] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelConfigError(f"cannot read {path}: {e}") from None
+    return convert_weights(raw, config, dtype, source=str(model_dir))
+
+
+def convert_weights(
+    raw: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype, source: str = "checkpoint"
+) -> ModelWeights:
+    """HF tensors (names without the ``model.`` prefix) -> engine layout, checking every shape."""
+    c = config
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = raw.get(name)
+        if t is None:
+            raise ModelConfigError(f"{source}: tensor {name!r} is missing from the checkpoint")
+        if tuple(t.shape) != shape:
+            raise ModelConfigError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}")
+        used.add(name)
+        return t.to(dtype)
+
+    def fused(*parts: torch.Tensor) -> torch.Tensor:
+        return torch.cat(parts, dim=0).contiguous()
+
+    h, d = c.hidden_size, c.head_dim
+    layers = []
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight", (h,)),
+                qkv=fused(
+                    get(a + "q_proj.weight", (c.q_size, h)),
+                    get(a + "k_proj.weight", (c.kv_size, h)),
+                    get(a + "v_proj.weight", (c.kv_size, h)),
+                ),
+                qkv_bias=fused(
+                    get(a + "q_proj.bias", (c.q_size,)),
+                    get(a + "k_proj.bias", (c.kv_size,)),
+                    get(a + "v_proj.bias", (c.kv_size,)),
+                )
+                if c.qkv_bias
+                else None,
+                q_norm=get(a + "q_norm.weight", (d,)) if c.qk_norm else None,
+                k_norm=get(a + "k_norm.weight", (d,)) if c.qk_norm else None,
+                o_proj=get(a + "o_proj.weight", (h, c.q_size)),
+                post_norm=get(p + "post_attention_layernorm.weight", (h,)),
+                gate_up=fused(
+                    get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                    get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
+                ),
+                down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+            )
+        )
+    embed = get("embed_tokens.weight", (c.vocab_size, h))
+    if c.tie_word_embeddings:
+        lm_head = embed
+        used.add("lm_head.weight")
+    else:
+        if "lm_head.weight" not in raw:
+            raise ModelConfigError(
+                f"{source}: config says tie_word_embeddings=false but the checkpoint has no 'lm_head.weight'"
+            )
+        lm_head = get("lm_head.weight", (c.vocab_size, h))
+    norm = get("norm.weight", (h,))
+    unexpected = sorted(k for k in raw if k not in used and "rotary_emb" not in k)
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise ModelConfigError(f"{source}: unexpected tensors for {c.architecture}: {shown}")
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

@@ -1,0 +1,1 @@
+"""Snapshots: format, stores (local directory, S3), local cache, build pipeline and loader."""

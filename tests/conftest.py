@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny random models of every family, built once per test session."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import pytest
+
+from runtime.random_model import make_random_model
+from tests.model_configs import FAMILIES
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], pathlib.Path]:
+    """`tiny_model_dir(name)` -> directory of the float32 random model for FAMILIES[name] (seed 0)."""
+    built: dict[str, pathlib.Path] = {}
+
+    def get(name: str) -> pathlib.Path:
+        if name not in built:
+            if name not in FAMILIES:
+                raise KeyError(f"no tiny model family {name!r}; known: {', '.join(FAMILIES)}")
+            out = tmp_path_factory.mktemp(f"model-{name}")
+            built[name] = make_random_model(out, FAMILIES[name], seed=0, dtype="float32")
+        return built[name]
+
+    return get
