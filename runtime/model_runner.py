@@ -60,9 +60,9 @@ class ModelRunner:
 
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
-        logits = self.model.forward(
-            torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta, torch.tensor(logits_rows)
-        )
+        logits_index = torch.tensor(logits_rows, dtype=torch.long)
+        input_tensor, position_tensor = torch.tensor(input_ids), torch.tensor(positions)
+        logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
         if not sampled:
             return [], [], []
         tokens, logprobs = self.sampler(logits, sampled)
