@@ -16,10 +16,11 @@ class ModelRunner:
         c = model.config
         self.model = model
         self.block_size = block_size
-        # One pool per layer: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]. Left uninitialized so
-        # a large pool costs nothing at start; blocks are zeroed on first use (see _zero_new_blocks).
+        # One pool per layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim], head-major so that a
+        # head's gathered keys are contiguous. Left uninitialized so a large pool costs nothing at start;
+        # blocks are zeroed on first use (see _zero_new_blocks).
         self.kv_caches = [
-            torch.empty(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+            torch.empty(2, c.num_kv_heads, num_blocks, block_size, c.head_dim, dtype=model.dtype)
             for _ in range(c.num_layers)
         ]
         self.zeroed_blocks = 0
@@ -73,7 +74,7 @@ class ModelRunner:
         be finite (0 * NaN is NaN), so memory that was never written is zeroed before its first read."""
         if highest_block >= self.zeroed_blocks:
             for cache in self.kv_caches:
-                cache[:, self.zeroed_blocks : highest_block + 1].zero_()
+                cache[:, :, self.zeroed_blocks : highest_block + 1].zero_()
             self.zeroed_blocks = highest_block + 1
 
     def _group(
