@@ -81,7 +81,10 @@ class AsyncLLM:
         return await self._call(self.engine.stats)  # type: ignore[no-any-return]
 
     def shutdown(self) -> None:
-        self._commands.put(None)
+        """Stop the step loop; requests still in flight end with EngineDeadError."""
+        with self._lock:
+            if self.error is None:
+                self._commands.put(None)
         self._thread.join(timeout=30)
 
     @property
@@ -91,13 +94,15 @@ class AsyncLLM:
     # -- engine thread --------------------------------------------------------------------------------
 
     async def _call(self, fn: Command) -> Any:
-        if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
         return await asyncio.wrap_future(self._submit(fn))
 
     def _submit(self, fn: Command) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._lock:  # after _stop has drained the queue nothing may be left in it
+            if self.error is not None:
+                future.set_exception(EngineDeadError(f"the engine stopped: {self.error}"))
+            else:
+                self._commands.put((fn, future))
         return future
 
     def _loop(self) -> None:
@@ -110,6 +115,7 @@ class AsyncLLM:
                     except queue.Empty:
                         break
                     if item is None:
+                        self._stop(RuntimeError("it was shut down"))
                         return
                     fn, future = item
                     try:
@@ -120,20 +126,23 @@ class AsyncLLM:
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
         except BaseException as e:
-            self.error = e
-            dead = EngineDeadError(f"the engine stopped: {e!r}")
-            with self._lock:
-                streams = list(self._streams.values())
-            for loop, q in streams:
+            self._stop(e)
+            raise
+
+    def _stop(self, why: BaseException) -> None:
+        """End every stream and queued call with EngineDeadError instead of leaving them waiting."""
+        with self._lock:
+            self.error = why
+            dead = EngineDeadError(f"the engine stopped: {why}")
+            for loop, q in self._streams.values():
                 loop.call_soon_threadsafe(q.put_nowait, dead)
-            while True:  # fail whatever is still queued instead of leaving callers waiting
+            while True:
                 try:
                     item = self._commands.get_nowait()
                 except queue.Empty:
                     break
                 if item is not None:
                     item[1].set_exception(dead)
-            raise
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

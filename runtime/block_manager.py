@@ -41,6 +41,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_parent: list[int] = [NO_PARENT] * num_blocks  # hash of the block before it in its chain
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -70,47 +71,53 @@ class BlockManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
         hashes = block_hashes(token_ids[: max_blocks * self.block_size], self.block_size)
+        parent = NO_PARENT
         for i, h in enumerate(hashes):
             block = self.cached.get(h)
             start = i * self.block_size
-            if block is None or self.block_tokens[block] != tuple(token_ids[start : start + self.block_size]):
+            # A hash collision cannot serve wrong KV: the tokens and the chain link are checked too.
+            if (
+                block is None
+                or self.block_parent[block] != parent
+                or self.block_tokens[block] != tuple(token_ids[start : start + self.block_size])
+            ):
                 break
             blocks.append(block)
+            parent = h
         return blocks, hashes[: len(blocks)]
 
-    def start(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Admit a waiting sequence: take its cached prefix, then blocks for ``num_new_tokens`` more.
+    def start(self, seq: Sequence, max_new_tokens: int) -> int:
+        """Admit a waiting sequence: take its cached prefix, then blocks for up to ``max_new_tokens`` more.
 
-        Returns False, changing nothing, when the pool cannot hold it now. ``num_new_tokens`` counts from
-        the end of the cached prefix, so callers ask ``seq.num_computed_tokens`` afterwards.
+        Returns how many tokens past the cached prefix it may compute now (fewer when the pool is short),
+        or 0, changing nothing, when the pool cannot take even one.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         hit_blocks, hit_hashes = self.find_cached_prefix(seq.token_ids)
         num_hit_tokens = len(hit_blocks) * self.block_size
-        num_new_tokens = min(num_new_tokens, seq.num_tokens - num_hit_tokens)
-        total = -(-(num_hit_tokens + num_new_tokens) // self.block_size)
         reusable_free = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)
-        if total - len(hit_blocks) > len(self.free) - reusable_free:
-            return False
+        room = (len(self.free) - reusable_free) * self.block_size
+        n = min(max_new_tokens, seq.num_tokens - num_hit_tokens, room)
+        if n <= 0:
+            return 0
         for block in hit_blocks:
             self._take(block)
         seq.block_table = hit_blocks
         seq.block_hashes = hit_hashes
         seq.num_computed_tokens = num_hit_tokens
-        self._append_blocks(seq, total - len(hit_blocks))
+        self._append_blocks(seq, self.blocks_needed(seq, n))
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = num_hit_tokens
             self.prefix_queries += seq.num_prompt_tokens
             self.prefix_hits += num_hit_tokens
-        return True
+        return n
 
-    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of a running sequence; False if the pool is full."""
-        needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > len(self.free):
-            return False
-        self._append_blocks(seq, needed)
-        return True
+    def grow(self, seq: Sequence, max_new_tokens: int) -> int:
+        """Make room for up to ``max_new_tokens`` more tokens of a running sequence; returns how many fit."""
+        room = len(seq.block_table) * self.block_size - seq.num_computed_tokens + len(self.free) * self.block_size
+        n = min(max_new_tokens, room)
+        self._append_blocks(seq, self.blocks_needed(seq, n))
+        return n
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
@@ -118,13 +125,12 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else NO_PARENT
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = hash_block(parent, tokens)
-            seq.block_hashes.append(parent)
+            block_hash = hash_block(parent, tokens)
+            seq.block_hashes.append(block_hash)
             block = seq.block_table[i]
-            if self.enable_prefix_caching and block != Sequence.NO_BLOCK and parent not in self.cached:
-                self.cached[parent] = block
-                self.block_hash[block] = parent
-                self.block_tokens[block] = tokens
+            if self.enable_prefix_caching and block != Sequence.NO_BLOCK and block_hash not in self.cached:
+                self.register(block, block_hash, tokens, parent)
+            parent = block_hash
 
     def free_seq(self, seq: Sequence) -> None:
         """Release every block; tail first, so a shared head stays cached longest."""
@@ -148,11 +154,12 @@ class BlockManager:
         """Hold a block for good (snapshot prefixes): it is never freed or evicted."""
         self._take(block)
 
-    def register(self, block: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Make a block whose KV was filled from outside (a snapshot) findable by the prefix cache."""
+    def register(self, block: int, block_hash: int, token_ids: tuple[int, ...], parent_hash: int) -> None:
+        """Make a full block findable by the prefix cache (also for KV filled from outside, a snapshot)."""
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
         self.block_tokens[block] = token_ids
+        self.block_parent[block] = parent_hash
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -181,3 +188,4 @@ class BlockManager:
                 del self.cached[h]
             self.block_hash[block] = None
             self.block_tokens[block] = None
+            self.block_parent[block] = NO_PARENT

@@ -107,8 +107,10 @@ class LLMEngine:
                 f"prompt is {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
                 "(shorten the prompt or raise max_model_len)"
             )
-        needed = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if self.config.uniform_window is None and -(-needed // self.blocks.block_size) > self.blocks.num_blocks:
+        # With a sliding window a sequence never holds more than the window's blocks plus the one written.
+        window = self.config.uniform_window
+        needed = min(len(token_ids) + params.max_tokens, self.max_model_len, window + 1 if window else 1 << 62)
+        if -(-needed // self.blocks.block_size) + (1 if window else 0) > self.blocks.num_blocks:
             raise ValueError(
                 f"prompt plus max_tokens need {needed} tokens of KV cache but the pool holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size} (lower max_tokens or raise num_kv_blocks)"

@@ -55,6 +55,11 @@ class LLM:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        elif not isinstance(prompts, list | tuple):
+            raise ValueError(
+                "prompts must be a string, a list of token ids or a list of those, "
+                f"got {type(prompts).__name__}"
+            )
         prompt_list: list[Prompt] = list(prompts)  # type: ignore[arg-type]
         if params is None:
             params = SamplingParams()

@@ -26,11 +26,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflow; the limit is the argmax anyway.
+        return self.temperature < 1e-5
 
     def validate(self) -> None:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"SamplingParams.{name} {why}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(name, f"must be a number, got {value!r}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")

@@ -58,8 +58,8 @@ class Scheduler:
             seq = self.running[i]
             if self.sliding_window is not None:
                 self.blocks.free_outside_window(seq, self.sliding_window)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.grow(seq, n):
+            wanted = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while (n := self.blocks.grow(seq, wanted)) == 0:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -73,10 +73,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if not self.blocks.start(seq, budget):
+            n = self.blocks.start(seq, budget)
+            if n == 0:
                 break
             self.waiting.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seq.status = Status.RUNNING
             if seq.timestamps.scheduled is None:
                 seq.timestamps.scheduled = time.monotonic()

@@ -49,7 +49,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("'weight_map' must map tensor names to file names")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelConfigError(f"{index} is malformed ({e}); expected a 'weight_map' object") from None
         files = sorted({model_dir / f for f in weight_map.values()})
     else:

@@ -10,7 +10,7 @@ import json
 import math
 import pathlib
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,14 +24,6 @@ ModelDir = Callable[[str], pathlib.Path]
 VOCAB = 1000  # tests.model_configs.FAMILIES["llama"]["vocab_size"]
 MAX_MODEL_LEN = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +99,6 @@ def test_wrong_prompt_type_inside_generate_list(llm: LLM, prompt: Any) -> None:
     assert_undisturbed(llm)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: LLM.generate calls list(prompts) on a non-list, so an int or None raises TypeError "
-    "and a dict runs its keys as prompts, instead of a ValueError naming the prompt",
-)
 @pytest.mark.parametrize("prompt", [123, None, {"text": "hi"}])
 def test_wrong_prompt_type_to_generate(llm: LLM, prompt: Any) -> None:
     with pytest.raises(ValueError, match="prompt"):
@@ -142,11 +129,6 @@ def test_request_larger_than_the_kv_pool(llama_dir: pathlib.Path) -> None:
     assert len(outs[-1].token_ids) == 12
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: make_sequence skips the pool check for sliding-window models, and the scheduler asks "
-    "for blocks for a whole budget-sized chunk, so a prompt longer than the pool is accepted and never runs",
-)
 def test_sliding_window_request_is_refused_or_runs(tiny_model_dir: ModelDir) -> None:
     # mistral's window is 24 tokens: 4 blocks of 16 hold the window plus a chunk, not a 100-token prompt.
     engine = LLMEngine.from_hf(tiny_model_dir("mistral"), EngineOptions(dtype="float32", num_kv_blocks=4))
@@ -220,11 +202,6 @@ def test_boundary_sampling_params_are_accepted(field: str, value: Any) -> None:
     SamplingParams(**{field: value}).validate()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: SamplingParams.validate compares floats to the raw value, so a string raises TypeError "
-    "instead of a ValueError naming the field",
-)
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
 def test_non_numeric_float_field_names_the_field(field: str) -> None:
     kwargs: dict[str, Any] = {field: "0.5"}
@@ -421,11 +398,6 @@ def test_malformed_index(model_copy: pathlib.Path, index: str) -> None:
     assert_model_error(model_copy, "model.safetensors.index.json", "malformed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: checkpoint_files only catches JSONDecodeError/KeyError, so a weight_map that is not an "
-    "object (or a top level that is not one) escapes as AttributeError/TypeError, not ModelConfigError",
-)
 @pytest.mark.parametrize("index", ['{"weight_map": []}', '{"weight_map": {"lm_head.weight": 3}}', "[]"])
 def test_index_of_the_wrong_shape(model_copy: pathlib.Path, index: str) -> None:
     (model_copy / "model.safetensors.index.json").write_text(index)

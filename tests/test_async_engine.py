@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import pytest
-import torch
 
 from runtime import (
     LLM,
@@ -29,14 +28,6 @@ TIMEOUT = 60.0  # per test: a hang fails instead of blocking the suite
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)  # aborted long before it ends
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -342,11 +333,6 @@ def test_shutdown_stops_the_engine_thread(llama_dir: pathlib.Path) -> None:
     assert asyncio.run(main()) is False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: after shutdown() nothing reads the command queue, so a later call waits forever "
-    "instead of raising",
-)
 def test_calls_after_shutdown_raise_instead_of_hanging(llama_dir: pathlib.Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(LLMEngine.from_hf(llama_dir, options()))
@@ -359,11 +345,6 @@ def test_calls_after_shutdown_raise_instead_of_hanging(llama_dir: pathlib.Path) 
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: shutdown() with requests in flight leaves their streams waiting forever (no final "
-    "output, no error)",
-)
 def test_shutdown_ends_streams_in_flight(llama_dir: pathlib.Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(LLMEngine.from_hf(llama_dir, options()))

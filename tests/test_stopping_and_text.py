@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from runtime import LLM, LLMEngine, SamplingParams
 from runtime.tokenizer import Detokenizer, Tokenizer
@@ -19,14 +18,6 @@ from tests.model_configs import FAMILIES
 ModelDir = Callable[[str], pathlib.Path]
 PROMPT = "The quick brown fox"
 N = 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
