@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended in one call: queries ``token_index`` over the blocks of ``block_tables``."""
+    """Sequences attended in one call: the queries in ``rows`` over the blocks of ``block_tables``."""
 
-    token_index: torch.Tensor  # [B] for decode, [T] for one prefill chunk: rows of the flat batch
+    rows: slice | torch.Tensor  # rows of the flat batch: a decode group's [B] indices, a prefill chunk's slice
     block_tables: torch.Tensor  # [B, max_blocks]
     query_positions: torch.Tensor  # [B] or [T]
     first_key_position: int  # position of the first key in the first block of ``block_tables``
@@ -61,38 +61,63 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 
 def paged_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
 ) -> torch.Tensor:
-    """q: [N, heads, head_dim] -> [N, heads * head_dim]."""
+    """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D]."""
     n, heads, head_dim = q.shape
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
     whole = len(meta.groups) == 1  # one group holding every row in order: no gather or scatter of rows
     out = q.new_empty(n, heads * head_dim) if not whole else None
     for g in meta.groups:
-        batch = g.block_tables.shape[0]
-        k = _gather_blocks(cache[0], g.block_tables)
-        v = _gather_blocks(cache[1], g.block_tables)
-        qg = q if whole else q[g.token_index]
+        qg = q if whole else q[g.rows]
         if g.is_decode:
+            batch = g.block_tables.shape[0]
+            k, v = _gather_blocks(cache[0], g.block_tables), _gather_blocks(cache[1], g.block_tables)
             # [B, heads, D] -> [kv_heads, B, group, D]: the query heads sharing a KV head are rows of one block.
             qd = qg.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
             o = _decode_attention(qd, k, v, g.score_bias(window)[None, :, None, :])
             o = o.transpose(0, 1).reshape(batch, heads * head_dim)
         else:
-            o = F.scaled_dot_product_attention(
-                qg.transpose(0, 1)[None],
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=g.mask(window)[None, None],
-                enable_gqa=group_size > 1,
-            )
-            o = o[0].transpose(0, 1).reshape(-1, heads * head_dim)
+            o = _prefill_attention(qg, k_new[g.rows], v_new[g.rows], cache, g, window)
         if out is None:
             return o
-        out[g.token_index] = o
+        out[g.rows] = o
     assert out is not None
     return out
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: torch.Tensor,
+    g: AttentionGroup,
+    window: int | None,
+) -> torch.Tensor:
+    """One sequence's chunk of T queries [T, heads, D] -> [T, heads * D]."""
+    t, heads, head_dim = q.shape
+    gqa = heads != cache.shape[1]
+    start = int(g.query_positions[0])
+    if start == 0 and (window is None or window >= t):
+        # A chunk with nothing before it: plain causal attention over its own keys, no gather and no mask,
+        # which lets the kernel skip the masked half.
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
+            is_causal=True, enable_gqa=gqa,
+        )
+    else:
+        k, v = _gather_blocks(cache[0], g.block_tables), _gather_blocks(cache[1], g.block_tables)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=g.mask(window)[None, None], enable_gqa=gqa,
+        )
+    return o[0].transpose(0, 1).reshape(t, heads * head_dim)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

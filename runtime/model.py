@@ -79,7 +79,7 @@ class Model:
                 k = rms_norm(k, layer.k_norm, eps)
             q, k = apply_rotary(q, k, cos, sin)
             write_kv(kv_caches[i], k, v, meta.slot_mapping)
-            attn = paged_attention(q, kv_caches[i], meta, c.sliding_windows[i])
+            attn = paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
             x = x + F.linear(attn, layer.o_proj)
             h = rms_norm(x, layer.post_norm, eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)

@@ -50,7 +50,7 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_seqs.append(seq)
             else:
-                groups.append(self._group(torch.arange(row, row + n), [seq], torch.arange(start, start + n), False))
+                groups.append(self._group(slice(row, row + n), [seq], torch.arange(start, start + n), False))
             if start + n == seq.num_tokens:
                 logits_rows.append(row + n - 1)
                 sampled.append(seq)
@@ -78,19 +78,19 @@ class ModelRunner:
             self.zeroed_blocks = highest_block + 1
 
     def _group(
-        self, token_index: torch.Tensor, seqs: list[Sequence], query_positions: torch.Tensor, is_decode: bool
+        self, rows: slice | torch.Tensor, seqs: list[Sequence], query_positions: torch.Tensor, is_decode: bool
     ) -> AttentionGroup:
         """Block tables of ``seqs``, from the first block any of their queries can see, padded to one width."""
         bs = self.block_size
         first = 0
         if self.window is not None:
             first = max(0, int(query_positions.min()) - self.window + 1) // bs
-        end = max(-(-(s.num_computed_tokens + (1 if is_decode else len(token_index))) // bs) for s in seqs)
+        end = max(-(-(s.num_computed_tokens + (1 if is_decode else len(query_positions))) // bs) for s in seqs)
         width = max(1, end - first)
-        rows = [[max(b, 0) for b in s.block_table[first:end]] for s in seqs]
-        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        tables = [[max(b, 0) for b in s.block_table[first:end]] for s in seqs]
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         return AttentionGroup(
-            token_index=token_index,
+            rows=rows,
             block_tables=table,
             query_positions=query_positions,
             first_key_position=first * bs,

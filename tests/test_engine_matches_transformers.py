@@ -62,3 +62,14 @@ def test_prefix_cache_hits_match(tiny_model_dir, family: str) -> None:
     assert [o.cached_tokens for o in outs] == [32, 32, 32]
     for prompt, out in zip(prompts[-3:], outs, strict=True):
         assert_matches_reference(model_dir, prompt, out.token_ids, MAX_TOKENS)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from runtime.random_model import make_random_model
+
+    sharded = make_random_model(tmp_path / "sharded", FAMILIES["llama"], seed=0, dtype="float32", num_shards=3)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompts = make_prompts(FAMILIES["llama"]["vocab_size"])[:4]
+    _, single_outs = run(tiny_model_dir("llama"), prompts)
+    _, sharded_outs = run(sharded, prompts)
+    assert sharded_outs == single_outs
