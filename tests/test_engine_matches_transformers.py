@@ -23,6 +23,11 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+def assert_all_match(model_dir, prompts: list[list[int]], outs: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_reference(model_dir, prompt, out, MAX_TOKENS)
+
+
 def run(model_dir, prompts, **options) -> tuple[LLM, list[list[int]]]:  # type: ignore[no-untyped-def]
     llm = LLM.from_hf(model_dir, dtype="float32", **options)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -34,8 +39,7 @@ def test_concurrent_requests_match(tiny_model_dir, family: str) -> None:
     model_dir = tiny_model_dir(family)
     prompts = make_prompts(FAMILIES[family]["vocab_size"])
     _, outs = run(model_dir, prompts, num_kv_blocks=256)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert_matches_reference(model_dir, prompt, out, MAX_TOKENS)
+    assert_all_match(model_dir, prompts, outs)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -47,8 +51,7 @@ def test_chunked_prefill_and_preemption_match(tiny_model_dir, family: str) -> No
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0
     assert stats.num_kv_blocks_used == 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert_matches_reference(model_dir, prompt, out, MAX_TOKENS)
+    assert_all_match(model_dir, prompts, outs)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -60,8 +63,7 @@ def test_prefix_cache_hits_match(tiny_model_dir, family: str) -> None:
     llm.generate(prompts[-4:-3], params)  # the shared prefix is now cached
     outs = llm.generate(prompts[-3:], params)
     assert [o.cached_tokens for o in outs] == [32, 32, 32]
-    for prompt, out in zip(prompts[-3:], outs, strict=True):
-        assert_matches_reference(model_dir, prompt, out.token_ids, MAX_TOKENS)
+    assert_all_match(model_dir, prompts[-3:], [o.token_ids for o in outs])
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
