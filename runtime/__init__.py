@@ -6,6 +6,8 @@ from runtime.llm import LLM
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.sampling_params import SamplingParams
 
+__version__ = "0.1.0"  # part of every snapshot's KV fingerprint: bump it when numerics or the KV layout change
+
 __all__ = [
     "LLM",
     "AsyncLLM",

@@ -154,6 +154,20 @@ class BlockManager:
         """Hold a block for good (snapshot prefixes): it is never freed or evicted."""
         self._take(block)
 
+    def take_free(self, count: int) -> list[int]:
+        """Take ``count`` free blocks (oldest first, evicting what they cached) with one reference each.
+
+        KV filled from outside (a snapshot's prefixes) takes its blocks here and never releases them."""
+        if count > len(self.free):
+            raise ValueError(f"{count} blocks asked for, {len(self.free)} free")
+        taken = []
+        for _ in range(count):
+            block, _ = self.free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            taken.append(block)
+        return taken
+
     def register(self, block: int, block_hash: int, token_ids: tuple[int, ...], parent_hash: int) -> None:
         """Make a full block findable by the prefix cache (also for KV filled from outside, a snapshot)."""
         self.cached[block_hash] = block
@@ -164,11 +178,7 @@ class BlockManager:
     # -- internals ------------------------------------------------------------------------------------
 
     def _append_blocks(self, seq: Sequence, count: int) -> None:
-        for _ in range(count):
-            block, _ = self.free.popitem(last=False)
-            self._evict(block)
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+        seq.block_table.extend(self.take_free(count))
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.block_manager import BlockManager
+from runtime.block_manager import NO_PARENT, BlockManager, block_hashes
 from runtime.config import ModelConfig
 from runtime.model import Model
 from runtime.model_runner import ModelRunner
@@ -19,7 +19,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
 from runtime.tokenizer import Detokenizer, Tokenizer
-from runtime.weights import load_weights
+from runtime.weights import ModelWeights, load_weights
 
 Prompt = str | list[int]
 
@@ -74,8 +74,16 @@ class LLMEngine:
         options.validate()
         config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir, config, DTYPES[options.dtype])
-        max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
+        return cls.from_weights(config, weights, tokenizer, options)
+
+    @classmethod
+    def from_weights(
+        cls, config: ModelConfig, weights: ModelWeights, tokenizer: Tokenizer | None, options: EngineOptions
+    ) -> LLMEngine:
+        """From weights already in the engine's layout (a snapshot's mapped tensors)."""
+        options.validate()
+        max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         return cls(Model(config, weights, max_len), tokenizer, options)
 
     # -- requests -------------------------------------------------------------------------------------
@@ -146,6 +154,39 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # -- precomputed prefixes (snapshots) -----------------------------------------------------------------
+
+    def prefix_kv(self, token_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Run the model over a prefix; return its full blocks' chained hashes and their KV in the pool's
+        layout, [num_layers, 2, kv_heads, blocks, block_size, head_dim]. Partial last blocks are left out."""
+        hashes = block_hashes(token_ids, self.blocks.block_size)
+        self.add_request(list(token_ids), SamplingParams(max_tokens=1, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        missing = [h for h in hashes if h not in self.blocks.cached]
+        if missing:
+            raise RuntimeError(f"{len(missing)} of the prefix's blocks were evicted; give the engine a larger pool")
+        index = torch.tensor([self.blocks.cached[h] for h in hashes], dtype=torch.long)
+        return hashes, torch.stack([cache.index_select(2, index) for cache in self.runner.kv_caches])
+
+    def load_prefix(self, token_ids: list[int], hashes: list[int], kv: torch.Tensor) -> None:
+        """Put a precomputed prefix's blocks (see prefix_kv) into the pool, pinned and findable by the prefix
+        cache, so that a request starting with ``token_ids`` is served them as a cache hit."""
+        bs = self.blocks.block_size
+        expected = (self.config.num_layers, 2, self.config.num_kv_heads, len(hashes), bs, self.config.head_dim)
+        if tuple(kv.shape) != expected or len(token_ids) < len(hashes) * bs:
+            raise ValueError(f"prefix KV of shape {tuple(kv.shape)} for {len(token_ids)} tokens; expected {expected}")
+        if hashes != block_hashes(token_ids, bs)[: len(hashes)]:
+            raise ValueError("prefix block hashes do not match its token ids")
+        if not self.options.enable_prefix_caching or not hashes:
+            return
+        blocks = self.blocks.take_free(len(hashes))
+        self.runner.fill_blocks(blocks, kv)
+        parent = NO_PARENT
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
+            self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
+            parent = block_hash
 
     # -- the step -------------------------------------------------------------------------------------
 

@@ -24,13 +24,29 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer file is required)")
-        self.hf = HFTokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
-        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = model_dir / "chat_template.jinja"
+        self._load(
+            path,
+            config_path if config_path.is_file() else None,
+            template_path if template_path.is_file() else None,
+        )
+
+    @classmethod
+    def from_files(
+        cls, tokenizer_json: Path, tokenizer_config: Path | None = None, chat_template: Path | None = None
+    ) -> Tokenizer:
+        """From files that need not sit in a model directory (a snapshot's cached blobs)."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._load(tokenizer_json, tokenizer_config, chat_template)
+        return tokenizer
+
+    def _load(self, tokenizer_json: Path, tokenizer_config: Path | None, chat_template: Path | None) -> None:
+        self.hf = HFTokenizer.from_file(str(tokenizer_json))
+        config: dict[str, Any] = json.loads(tokenizer_config.read_text()) if tokenizer_config else {}
         self.chat_template: str | None = config.get("chat_template")
-        template_file = model_dir / "chat_template.jinja"
-        if self.chat_template is None and template_file.is_file():
-            self.chat_template = template_file.read_text()
+        if self.chat_template is None and chat_template is not None:
+            self.chat_template = chat_template.read_text()
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)

@@ -75,3 +75,35 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -
     _, single_outs = run(tiny_model_dir("llama"), prompts)
     _, sharded_outs = run(sharded, prompts)
     assert sharded_outs == single_outs
+
+
+def test_split_by_length_groups_every_sequence_once() -> None:
+    from runtime.model_runner import split_by_length
+
+    widths = [1, 40, 3, 38, 2, 41, 1]
+    groups = split_by_length(widths, group_cost=8)
+    assert sorted(i for g in groups for i in g) == list(range(len(widths)))
+    assert all(g == sorted(g) for g in groups)  # rows keep batch order
+    assert len(groups) == 2  # the long three and the short four
+    assert split_by_length(widths, group_cost=10**9) == [list(range(len(widths)))]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_decode_split_into_length_groups_matches(tiny_model_dir, family: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import runtime.model_runner as model_runner
+
+    calls: list[int] = []
+    split = model_runner.split_by_length
+
+    def counting_split(widths: list[int], group_cost: int) -> list[list[int]]:
+        groups = split(widths, group_cost)
+        calls.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(model_runner, "split_by_length", counting_split)
+    monkeypatch.setattr(model_runner, "DECODE_GROUP_COST_BLOCKS", 2)
+    model_dir = tiny_model_dir(family)
+    prompts = make_prompts(FAMILIES[family]["vocab_size"])
+    _, outs = run(model_dir, prompts, block_size=8, num_kv_blocks=256)
+    assert max(calls) > 1
+    assert_all_match(model_dir, prompts, outs)
