@@ -10,6 +10,9 @@ import sys
 import time
 from typing import Any
 
+from handlers import snapshot_commands
+from handlers.errors import CliError, positive_int
+
 DEMO_CONFIG = "smollm2-135m.json"
 DEMO_PROMPTS = (
     "The quick brown fox",
@@ -31,23 +34,9 @@ DEMO_PROMPTS = (
 )
 
 
-class CliError(Exception):
-    """An error the user can fix; printed as one line, no traceback."""
-
-
 def _default_cache() -> pathlib.Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
     return pathlib.Path(base) / "warmstart" / "demo-model"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def ensure_demo_model(model_dir: pathlib.Path, *, quiet: bool = False) -> pathlib.Path:
@@ -141,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="build a random SmolLM2-135M-shaped model and generate with it")
     demo.add_argument("--model-dir", help="demo model directory (default ~/.cache/warmstart/demo-model)")
-    demo.add_argument("--num-prompts", type=_positive_int, default=16)
-    demo.add_argument("--max-tokens", type=_positive_int, default=64)
+    demo.add_argument("--num-prompts", type=positive_int, default=16)
+    demo.add_argument("--max-tokens", type=positive_int, default=64)
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     demo.set_defaults(func=cmd_demo)
+    snapshot_commands.add_commands(sub)
     return parser
 
 

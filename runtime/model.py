@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from runtime.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.config import ModelConfig, rope_inv_freq
+from runtime.quant import linear
 from runtime.weights import ModelWeights
 
 
@@ -69,7 +70,7 @@ class Model:
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
@@ -80,9 +81,9 @@ class Model:
             q, k = apply_rotary(q, k, cos, sin)
             write_kv(kv_caches[i], k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
-            x = x + F.linear(attn, layer.o_proj)
+            x = x + linear(attn, layer.o_proj)
             h = rms_norm(x, layer.post_norm, eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         h = rms_norm(x[logits_index], w.norm, eps)
-        return F.linear(h, w.lm_head).float()
+        return linear(h, w.lm_head).float()

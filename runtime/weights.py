@@ -5,24 +5,28 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from runtime.config import ModelConfig, ModelConfigError
 
+if TYPE_CHECKING:
+    from runtime.quant import QuantizedWeight
+
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: torch.Tensor | QuantizedWeight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: torch.Tensor | QuantizedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | QuantizedWeight  # [2 * intermediate, hidden]
+    down: torch.Tensor | QuantizedWeight
 
 
 @dataclass
@@ -30,11 +34,10 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: torch.Tensor | QuantizedWeight  # the embedding itself when tied
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor by a stable name (engine layout), for snapshots and size accounting."""
-        out = {"embed": self.embed, "norm": self.norm}
+    def _named(self) -> dict[str, torch.Tensor | QuantizedWeight]:
+        out: dict[str, torch.Tensor | QuantizedWeight] = {"embed": self.embed, "norm": self.norm}
         if self.lm_head is not self.embed:
             out["lm_head"] = self.lm_head
         for i, layer in enumerate(self.layers):
@@ -42,6 +45,21 @@ class ModelWeights:
                 if t is not None:
                     out[f"layers.{i}.{name}"] = t
         return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by a stable name (engine layout), for snapshots and size accounting; a quantized
+        weight's tensors are named ``<weight>.<part>`` (see ``quant_meta``)."""
+        out = {}
+        for name, t in self._named().items():
+            if isinstance(t, torch.Tensor):
+                out[name] = t
+            else:
+                out.update((f"{name}.{part}", p) for part, p in t.tensors().items())
+        return out
+
+    def quant_meta(self) -> dict[str, dict[str, Any]]:
+        """Each quantized weight's meta by name, for ``runtime.quant.from_tensors``; empty when none is."""
+        return {name: t.meta() for name, t in self._named().items() if not isinstance(t, torch.Tensor)}
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

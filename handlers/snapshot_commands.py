@@ -1,0 +1,239 @@
+"""`warmstart build | pull | ls | inspect | tag | gc`: snapshots from the command line.
+
+Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from handlers.errors import CliError, positive_int
+
+
+def add_commands(sub: Any) -> None:
+    build = sub.add_parser("build", help="build a snapshot from an HF model directory and push it to a store")
+    build.add_argument("model_dir", type=Path)
+    build.add_argument("--prefix", action="append", default=[], metavar="NAME=FILE",
+                       help="precompute the KV of this text (tokenized as is)")
+    build.add_argument("--system", action="append", default=[], metavar="NAME=FILE",
+                       help="precompute the KV of this chat system prompt (rendered by the chat template)")
+    build.add_argument("--quant", default="none", help="none | int8 | int4 | nf4 (weight-only)")
+    build.add_argument("--group-size", type=positive_int, default=None,
+                       help="int4/nf4 group size: 32, 64, 128 or 256 (default: the largest that fits, up to 128)")
+    build.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    build.add_argument("--block-size", type=positive_int, default=16, help="KV block size the engine will use")
+    build.add_argument("--tag", action="append", default=[], metavar="NAME", help="point this ref at the snapshot")
+    _common(build, cache=True)
+    build.set_defaults(func=cmd_build)
+
+    pull = sub.add_parser("pull", help="download a snapshot into the local cache")
+    pull.add_argument("ref")
+    pull.add_argument("--concurrency", type=positive_int, default=8)
+    pull.add_argument("--part-size-mb", type=positive_int, default=16)
+    _common(pull, cache=True)
+    pull.set_defaults(func=cmd_pull)
+
+    ls = sub.add_parser("ls", help="list the store's snapshots and refs")
+    _common(ls)
+    ls.set_defaults(func=cmd_ls)
+
+    inspect = sub.add_parser("inspect", help="show what a snapshot holds")
+    inspect.add_argument("ref")
+    _common(inspect, cache=True)
+    inspect.set_defaults(func=cmd_inspect)
+
+    tag = sub.add_parser("tag", help="point a ref (a mutable name) at a snapshot")
+    tag.add_argument("ref")
+    tag.add_argument("name")
+    _common(tag)
+    tag.set_defaults(func=cmd_tag)
+
+    gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
+    gc.add_argument("--grace-seconds", type=int, default=3600,
+                    help="keep unreferenced blobs younger than this (a push may be in flight)")
+    _common(gc)
+    gc.set_defaults(func=cmd_gc)
+
+
+def _common(parser: argparse.ArgumentParser, cache: bool = False) -> None:
+    parser.add_argument("--store", help="a directory, file://PATH or s3://BUCKET/PREFIX (default $WARMSTART_STORE)")
+    if cache:
+        parser.add_argument("--cache", type=Path, help="local blob cache (default $WARMSTART_CACHE)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the errors a user can cause into one clear sentence."""
+    from runtime.config import ModelConfigError
+    from snapshot.format import FormatError
+    from snapshot.store import StoreError
+
+    try:
+        yield
+    except (StoreError, FormatError, ModelConfigError) as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            where = e.filename or "writing the cache"
+            raise CliError(f"the disk is full ({where}); free space or use --cache DIR") from None
+        raise CliError(f"{e.strerror or e} ({e.filename})" if e.filename else str(e)) from None
+
+
+def _log(args: argparse.Namespace) -> Callable[[str], None]:
+    if args.quiet or args.json:
+        return lambda _: None
+    return lambda message: print(message, file=sys.stderr)
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    from snapshot.cache import BlobCache
+
+    return BlobCache(args.cache)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+        from snapshot.cache import push_snapshot
+        from snapshot.store import open_store
+
+        try:
+            prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
+            prefixes += [PrefixSpec.parse(p, "system") for p in args.system]
+            options = BuildOptions(quant=args.quant, group_size=args.group_size, dtype=args.dtype,
+                                   block_size=args.block_size, prefixes=prefixes)
+            store = open_store(args.store)
+            built = build_snapshot(args.model_dir, options, _cache(args), log=_log(args))
+        except BuildError as e:
+            raise CliError(str(e)) from None
+        stats = push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths,
+                              progress=not (args.quiet or args.json))
+        for name in args.tag:
+            store.set_ref(name, built.id)
+    result = {"id": built.id, "store": store.uri, "blobs_total": stats.blobs_total,
+              "blobs_uploaded": stats.blobs_uploaded, "bytes_uploaded": stats.bytes_uploaded,
+              "tags": args.tag, "prefixes": [{"name": p["name"], "tokens": len(p["token_ids"])}
+                                             for p in built.manifest.data["prefixes"]]}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(built.id)
+        _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes)")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.cache import pull_snapshot, resolve_ref
+        from snapshot.store import open_store
+
+        store = open_store(args.store)
+        snapshot_id = resolve_ref(store, args.ref)
+        _, stats = pull_snapshot(store, _cache(args), snapshot_id, concurrency=args.concurrency,
+                                 part_size=args.part_size_mb << 20, progress=not (args.quiet or args.json))
+    result = {"id": snapshot_id, "blobs_total": stats.blobs_total, "blobs_downloaded": stats.blobs_downloaded,
+              "bytes_downloaded": stats.bytes_downloaded, "seconds": round(stats.seconds, 3)}
+    print(json.dumps(result) if args.json else snapshot_id)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.format import Manifest
+        from snapshot.store import open_store
+
+        store = open_store(args.store)
+        refs = store.list_refs()
+        rows = []
+        for sid in sorted(store.list_snapshots()):
+            m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
+            rows.append({"id": sid, "refs": sorted(n for n, t in refs.items() if t == sid),
+                         "architecture": m["model"]["architecture"], "quant": m["quantization"]["scheme"],
+                         "bytes": sum(m["blobs"].values()), "prefixes": [p["name"] for p in m["prefixes"]]})
+    if args.json:
+        print(json.dumps({"store": store.uri, "snapshots": rows, "refs": refs}))
+        return 0
+    for r in rows:
+        print(f"{r['id']}  {r['architecture']:<20} {r['quant']:<5} {r['bytes'] / 1e6:9.1f} MB  "
+              f"refs: {', '.join(r['refs']) or '-'}  prefixes: {', '.join(r['prefixes']) or '-'}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.cache import resolve_ref
+        from snapshot.format import Manifest
+        from snapshot.store import open_store
+
+        store = open_store(args.store)
+        sid = resolve_ref(store, args.ref)
+        m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
+    info = describe(sid, m)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"snapshot {sid}: {info['architecture']}, {info['dtype']}, quantization {info['quantization']['scheme']}")
+    print(f"  {len(info['tensors'])} tensors, {info['bytes']:,} bytes in {info['blobs']} blobs, "
+          f"block size {info['block_size']}, built by {info['tool']}")
+    for p in info["prefixes"]:
+        print(f"  prefix {p['name']} ({p['kind']}): {p['tokens']} tokens, {p['cached_tokens']} in full blocks")
+    return 0
+
+
+def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
+    block_size = m["engine"]["block_size"]
+    return {
+        "id": sid,
+        "architecture": m["model"]["architecture"],
+        "config": m["model"]["config"],
+        "dtype": m["engine"]["dtype"],
+        "block_size": block_size,
+        "quantization": m["quantization"],
+        "tensors": {
+            n: {"dtype": t["dtype"], "shape": t["shape"], "bytes": t["nbytes"]} for n, t in m["tensors"].items()
+        },
+        "bytes": sum(m["blobs"].values()),
+        "blobs": len(m["blobs"]),
+        "prefixes": [{"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
+                      "cached_tokens": len(p["block_hashes"]) * block_size} for p in m["prefixes"]],
+        "tool": m["provenance"]["tool"],
+    }
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.cache import resolve_ref
+        from snapshot.store import open_store
+
+        store = open_store(args.store)
+        sid = resolve_ref(store, args.ref)
+        store.set_ref(args.name, sid)
+    print(json.dumps({"ref": args.name, "id": sid}) if args.json else f"{args.name} -> {sid}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.cache import gc
+        from snapshot.store import open_store
+
+        store = open_store(args.store)
+        report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds)
+    result = {"dry_run": args.dry_run, "blobs_deleted": report.blobs_deleted, "bytes_freed": report.bytes_freed,
+              "kept": report.kept}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.bytes_freed:,} bytes)")
+    return 0

@@ -1,0 +1,286 @@
+"""`warmstart build`: an HF model directory in, a snapshot's blobs (in the local cache) and manifest out.
+
+Weights are converted (and quantized) into the engine's layout and packed into one blob per decoder layer
+plus one for embeddings, final norm and head; each prefix is run through the engine once and its full
+blocks' KV stored in the pool's layout. Nothing here depends on time or machine, so the same inputs give
+the same snapshot id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import runtime
+from runtime.config import ModelConfig
+from runtime.engine import DTYPES, EngineOptions, LLMEngine
+from runtime.model import Model
+from runtime.quant import SCHEMES, quantize_model
+from runtime.tokenizer import Tokenizer
+from runtime.weights import ModelWeights, checkpoint_files, load_weights
+from snapshot.cache import BlobCache
+from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint, write_packed
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+PREFIX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class BuildError(Exception):
+    """Something in the build's inputs that the user must fix; the message says what."""
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    name: str
+    path: Path
+    kind: str  # "text": tokenized as is; "system": a chat system prompt, rendered through the chat template
+
+    @classmethod
+    def parse(cls, text: str, kind: str) -> PrefixSpec:
+        name, sep, path = text.partition("=")
+        flag = "--prefix" if kind == "text" else "--system"
+        if not sep or not PREFIX_NAME.match(name) or not path:
+            raise BuildError(f"{flag} {text!r}: expected NAME=FILE with NAME made of letters, digits, '_', '.', '-'")
+        return cls(name, Path(path), kind)
+
+
+@dataclass
+class BuildOptions:
+    quant: str = "none"
+    group_size: int | None = None  # None: the largest that fits every layer (runtime.quant decides)
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    prefixes: list[PrefixSpec] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.quant not in SCHEMES:
+            raise BuildError(f"--quant must be one of {', '.join(SCHEMES)}, got {self.quant!r}")
+        if self.dtype not in DTYPES:
+            raise BuildError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise BuildError(f"--block-size must be >= 1, got {self.block_size}")
+        names = [p.name for p in self.prefixes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise BuildError(f"prefix name(s) given twice: {', '.join(dupes)}")
+
+
+@dataclass
+class BuiltSnapshot:
+    manifest: Manifest
+    blob_paths: dict[str, Path]  # every blob of the manifest, in the local cache
+
+    @property
+    def id(self) -> str:
+        return self.manifest.id
+
+
+def build_snapshot(
+    model_dir: Path,
+    options: BuildOptions,
+    cache: BlobCache,
+    log: Callable[[str], None] = lambda _: None,
+) -> BuiltSnapshot:
+    options.validate()
+    model_dir = Path(model_dir)
+    config_raw = _read_config(model_dir)
+    config = ModelConfig.from_dict(config_raw, source=str(model_dir / "config.json"))
+    dtype = DTYPES[options.dtype]
+    log(f"converting weights ({options.dtype}, quantization {options.quant})")
+    weights = load_weights(model_dir, config, dtype)
+    if options.quant != "none":
+        try:
+            weights = quantize_model(weights, options.quant, options.group_size)
+        except ValueError as e:
+            raise BuildError(f"--quant {options.quant}: {e}") from None
+    blobs = _BlobWriter(cache)
+    tensors = _pack_weights(weights, blobs)
+    weight_blobs = sorted({t["blob"] for t in tensors.values()})
+    tokenizer_blobs = {
+        name: blobs.add_file(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).is_file()
+    }
+    group_sizes = {m.get("group_size") for m in weights.quant_meta().values()} - {None}
+    quantization = {"scheme": options.quant, "group_size": group_sizes.pop() if len(group_sizes) == 1 else None}
+    fingerprint = kv_fingerprint(weight_blobs, quantization, options.dtype, options.block_size, runtime.__version__)
+    prefixes = []
+    if options.prefixes:
+        tokenizer = Tokenizer(model_dir) if "tokenizer.json" in tokenizer_blobs else None
+        token_lists = [_prefix_tokens(p, tokenizer) for p in options.prefixes]
+        engine = _engine(config, weights, options, max(len(t) for t in token_lists))
+        for spec, token_ids in zip(options.prefixes, token_lists, strict=True):
+            log(f"computing prefix KV for {spec.name!r} ({len(token_ids)} tokens)")
+            prefixes.append(_prefix_entry(spec, token_ids, engine, blobs))
+    data: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model": {"architecture": config.architecture, "config": config_raw},
+        "engine": {"dtype": options.dtype, "block_size": options.block_size, "version": runtime.__version__},
+        "quantization": quantization,
+        "tensors": tensors,
+        "quantized": weights.quant_meta(),
+        "tokenizer": tokenizer_blobs,
+        "fingerprint": fingerprint,
+        "prefixes": prefixes,
+        "blobs": dict(sorted(blobs.sizes.items())),
+        "provenance": {
+            "tool": f"warmstart {runtime.__version__}",
+            "torch": torch.__version__.split("+")[0],
+            "sources": _source_hashes(model_dir, options.prefixes),
+            "options": {"quant": options.quant, "group_size": options.group_size, "dtype": options.dtype,
+                        "block_size": options.block_size},
+        },
+    }
+    manifest = Manifest(data)
+    cache.add_manifest(manifest.id, manifest.encode())
+    return BuiltSnapshot(manifest, blobs.paths)
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise BuildError(f"{model_dir} is not a directory; give an HF model directory")
+    if not path.is_file():
+        raise BuildError(f"{model_dir} has no config.json; give an HF model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BuildError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise BuildError(f"{path} must hold a JSON object")
+    return raw
+
+
+class _BlobWriter:
+    """Writes blobs into the cache's staging area and moves them in under their content hash."""
+
+    def __init__(self, cache: BlobCache) -> None:
+        self.cache = cache
+        self.paths: dict[str, Path] = {}
+        self.sizes: dict[str, int] = {}
+
+    def add_packed(self, parts: list[Any]) -> tuple[str, list[tuple[int, int]]]:
+        with tempfile.TemporaryDirectory(dir=self.cache.root) as tmp:
+            path = Path(tmp) / "blob"
+            spans = write_packed(path, parts)
+            return self._adopt(path, file_blob_id(path), move=True), spans
+
+    def add_file(self, path: Path) -> str:
+        return self._adopt(path, file_blob_id(path), move=False)
+
+    def _adopt(self, path: Path, bid: str, move: bool) -> str:
+        if not self.cache.has(bid):
+            self.cache.add_file(bid, path, move=move)
+        self.paths[bid] = self.cache.path(bid)
+        self.sizes[bid] = self.cache.path(bid).stat().st_size
+        return bid
+
+
+def tensor_bytes(t: torch.Tensor) -> Any:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _pack_weights(weights: ModelWeights, blobs: _BlobWriter) -> dict[str, dict[str, Any]]:
+    """One blob per decoder layer and one for the rest; returns each tensor's place and type."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights.tensors().items():
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "head"
+        groups.setdefault(key, {})[name] = t
+    entries = {}
+    for group in groups.values():
+        names = list(group)
+        bid, spans = blobs.add_packed([tensor_bytes(group[n]) for n in names])
+        for name, (offset, nbytes) in zip(names, spans, strict=True):
+            t = group[name]
+            entries[name] = {
+                "blob": bid,
+                "offset": offset,
+                "nbytes": nbytes,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+            }
+    return dict(sorted(entries.items()))
+
+
+def system_prompt_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The tokens every chat request whose system message is ``text`` starts with.
+
+    Rendered with two unlike user turns, the common start covers the system turn and the user turn's
+    header, which is exactly what the template writes before any user text.
+    """
+    renders = [
+        tokenizer.encode_chat([{"role": "system", "content": text}, {"role": "user", "content": user}])
+        for user in ("Hello!", "7 + 5 = ?")
+    ]
+    common = 0
+    for a, b in zip(*renders, strict=False):
+        if a != b:
+            break
+        common += 1
+    return renders[0][:common]
+
+
+def _prefix_tokens(spec: PrefixSpec, tokenizer: Tokenizer | None) -> list[int]:
+    flag = "--prefix" if spec.kind == "text" else "--system"
+    try:
+        text = spec.path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BuildError(f"{flag} {spec.name}: cannot read {spec.path} as UTF-8 text ({e})") from None
+    if not text:
+        raise BuildError(f"{flag} {spec.name}: {spec.path} is empty")
+    if tokenizer is None:
+        raise BuildError(f"{flag} {spec.name}: the model directory has no tokenizer.json to tokenize it with")
+    if spec.kind == "text":
+        tokens = tokenizer.encode(text)
+    elif tokenizer.chat_template is None:
+        raise BuildError(f"--system {spec.name}: the model has no chat template; use --prefix for raw text")
+    else:
+        tokens = system_prompt_tokens(tokenizer, text)
+    if not tokens:
+        raise BuildError(f"{flag} {spec.name}: {spec.path} gives no tokens")
+    return tokens
+
+
+def _engine(config: ModelConfig, weights: ModelWeights, options: BuildOptions, longest: int) -> LLMEngine:
+    max_len = min(config.max_position_embeddings, longest + 1)
+    if longest >= config.max_position_embeddings:
+        raise BuildError(f"a prefix of {longest} tokens does not fit the model's context of "
+                         f"{config.max_position_embeddings}")
+    blocks = 2 * (-(-max_len // options.block_size)) + 2
+    engine_options = EngineOptions(dtype=options.dtype, block_size=options.block_size, num_kv_blocks=blocks,
+                                   max_num_seqs=1, max_model_len=max_len)
+    return LLMEngine(Model(config, weights, max_len), None, engine_options)
+
+
+def _prefix_entry(spec: PrefixSpec, token_ids: list[int], engine: LLMEngine, blobs: _BlobWriter) -> dict[str, Any]:
+    hashes, kv = engine.prefix_kv(token_ids)
+    entry: dict[str, Any] = {
+        "name": spec.name,
+        "kind": spec.kind,
+        "token_ids": token_ids,
+        "block_hashes": hashes,
+        "blob": None,
+        "dtype": str(kv.dtype).removeprefix("torch."),
+        "shape": list(kv.shape),
+    }
+    if hashes:
+        entry["blob"], _ = blobs.add_packed([tensor_bytes(kv)])
+    return entry
+
+
+def _source_hashes(model_dir: Path, prefixes: list[PrefixSpec]) -> dict[str, str]:
+    files = [model_dir / "config.json", *checkpoint_files(model_dir)]
+    files += [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files.append(index)
+    out = {f.name: file_blob_id(f) for f in files}
+    for p in prefixes:
+        out[f"{'prefix' if p.kind == 'text' else 'system'}:{p.name}"] = file_blob_id(p.path)
+    return dict(sorted(out.items()))

@@ -1,0 +1,107 @@
+"""The snapshot format: content-hashed blobs and a msgpack manifest whose hash is the snapshot id.
+
+No torch here, so a store can be listed, pulled and garbage-collected without loading a model.
+docs/SNAPSHOT_FORMAT.md is the specification; this module is its reader and writer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import xxhash
+
+FORMAT = "warmstart-snapshot"
+FORMAT_VERSION = 1
+ALIGNMENT = 4096  # every tensor starts at a multiple of this inside its blob
+ID_LENGTH = 32  # hex digits of an xxh3-128 digest
+_CHUNK = 1 << 20
+
+
+class FormatError(Exception):
+    """A manifest that this version cannot read; the message says what is wrong."""
+
+
+def blob_id(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def file_blob_id(path: str | os.PathLike[str]) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_id(text: str) -> bool:
+    return len(text) == ID_LENGTH and all(c in "0123456789abcdef" for c in text)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A decoded manifest. ``data`` is the msgpack map itself (see docs/SNAPSHOT_FORMAT.md)."""
+
+    data: dict[str, Any]
+
+    def encode(self) -> bytes:
+        return bytes(msgpack.packb(self.data, use_bin_type=True))
+
+    @property
+    def id(self) -> str:
+        return blob_id(self.encode())
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str = "manifest") -> Manifest:
+        try:
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as e:
+            raise FormatError(f"{where} is not a valid msgpack manifest ({e})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise FormatError(f"{where} is not a warmstart snapshot manifest")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FormatError(
+                f"{where} has format version {version}; this warmstart reads version {FORMAT_VERSION} "
+                "(rebuild the snapshot with this version, or upgrade warmstart)"
+            )
+        return cls(data)
+
+    def blob_sizes(self) -> dict[str, int]:
+        """Every blob the snapshot needs, with its size in bytes."""
+        return dict(self.data["blobs"])
+
+    def blob_ids(self) -> set[str]:
+        return set(self.data["blobs"])
+
+
+def kv_fingerprint(weight_blobs: list[str], quantization: dict[str, Any], dtype: str, block_size: int,
+                   engine_version: str) -> str:
+    """What precomputed KV depends on: the exact weights (their blobs' content hashes), how they are run,
+    and the engine version that ran them. A loader whose own fingerprint differs must refuse the KV."""
+    key = {"weights": sorted(weight_blobs), "quantization": quantization, "dtype": dtype,
+           "block_size": block_size, "engine": engine_version}
+    return blob_id(bytes(msgpack.packb(key, use_bin_type=True)))
+
+
+def aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def write_packed(path: Path, parts: list[Any]) -> list[tuple[int, int]]:
+    """Write ``parts`` (buffers) into one file, each at an aligned offset; returns (offset, nbytes) per part."""
+    spans = []
+    offset = 0
+    with open(path, "wb") as f:
+        for part in parts:
+            start = aligned(offset)
+            if start > offset:
+                f.write(b"\0" * (start - offset))
+            f.write(part)
+            n = memoryview(part).nbytes
+            spans.append((start, n))
+            offset = start + n
+    return spans

@@ -1,0 +1,181 @@
+"""A snapshot back into a ready engine: pull what the cache lacks, map the blobs, register the prefix KV.
+
+Weights are views into private read-only mappings of the cached blobs: nothing is parsed or copied, and
+resident memory grows only as pages are touched. Prefix KV is copied into the engine's pool (the pool is
+one tensor per layer) and its blocks registered, pinned, in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import runtime
+from runtime import LLM
+from runtime.config import ModelConfig
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.quant import QuantizedWeight, from_tensors
+from runtime.tokenizer import Tokenizer
+from runtime.weights import LayerWeights, ModelWeights
+from snapshot.cache import BlobCache, pull_snapshot, resolve_ref
+from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint
+from snapshot.store import Store, open_store
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be loaded as asked; the message says why and what to do."""
+
+
+@dataclass
+class LoadReport:
+    snapshot_id: str
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since load() began
+    bytes_downloaded: int = 0
+    blobs_downloaded: int = 0
+    blobs_total: int = 0
+    prefixes: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load(
+    ref: str,
+    store: str | Store | None = None,
+    cache: str | Path | BlobCache | None = None,
+    **engine_options: Any,
+) -> LLM:
+    """The snapshot ``ref`` (an id, a unique id prefix or a ref name) as a ``runtime.LLM`` ready to serve."""
+    llm, _ = load_with_report(ref, store, cache, **engine_options)
+    return llm
+
+
+def load_with_report(
+    ref: str,
+    store: str | Store | None = None,
+    cache: str | Path | BlobCache | None = None,
+    *,
+    concurrency: int = 8,
+    **engine_options: Any,
+) -> tuple[LLM, LoadReport]:
+    start = time.monotonic()
+    blob_cache = cache if isinstance(cache, BlobCache) else BlobCache(Path(cache) if cache else None)
+    raw = blob_cache.get_manifest(ref) if is_id(ref) else None
+    if raw is not None and all(blob_cache.has(b) for b in Manifest.decode(raw).blob_ids()):
+        report = LoadReport(ref)  # everything is cached: a cold start needs no store at all
+        report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
+    else:
+        the_store = store if isinstance(store, Store) else open_store(store)
+        snapshot_id = resolve_ref(the_store, ref)
+        report = LoadReport(snapshot_id)
+        report.phases["manifest"] = time.monotonic() - start
+        raw, stats = pull_snapshot(the_store, blob_cache, snapshot_id, concurrency=concurrency)
+        report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
+        report.phases["blobs"] = time.monotonic() - start
+    if blob_id(raw) != report.snapshot_id:
+        raise SnapshotError(f"snapshot {report.snapshot_id}: its manifest does not match its id (corrupt store or "
+                            "cache); delete the cached manifest and pull again")
+    manifest = Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
+    report.blobs_total = len(manifest.blob_ids())
+
+    def mark(phase: str) -> None:
+        report.phases[phase] = time.monotonic() - start
+
+    engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes)
+    mark("ready")
+    return LLM(engine), report
+
+
+def engine_from_manifest(
+    manifest: Manifest,
+    cache: BlobCache,
+    engine_options: dict[str, Any],
+    mark: Callable[[str], None] = lambda _: None,
+    prefixes_out: list[dict[str, Any]] | None = None,
+) -> LLMEngine:
+    m = manifest.data
+    sid = manifest.id
+    config = ModelConfig.from_dict(m["model"]["config"], source=f"snapshot {sid}")
+    options = _engine_options(m, engine_options, sid)
+    mapped = {b: map_blob(cache.path(b)) for b in manifest.blob_ids()}
+    tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
+    weights = _weights(config, tensors, m.get("quantized", {}))
+    files = {name: cache.path(b) for name, b in m["tokenizer"].items()}
+    tokenizer = None
+    if "tokenizer.json" in files:
+        tokenizer = Tokenizer.from_files(
+            files["tokenizer.json"], files.get("tokenizer_config.json"), files.get("chat_template.jinja")
+        )
+    mark("mapped")
+    engine = LLMEngine.from_weights(config, weights, tokenizer, options)
+    _check_fingerprint(m, sid)
+    for p in m["prefixes"]:
+        if p["blob"] is not None:
+            engine.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p))
+        if prefixes_out is not None:
+            prefixes_out.append({"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
+                                    "cached_tokens": len(p["block_hashes"]) * options.block_size})
+    return engine
+
+
+def map_blob(path: Path) -> torch.Tensor:
+    """A blob as a uint8 tensor over a private mapping: pages load on first touch, writes never reach the file."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def tensor_view(blob: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
+    offset, dtype = entry.get("offset", 0), getattr(torch, entry["dtype"])
+    nbytes = entry.get("nbytes")
+    if nbytes is None:
+        nbytes = torch.Size(entry["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
+    return blob[offset : offset + nbytes].view(dtype).view(entry["shape"])
+
+
+def _weights(config: ModelConfig, tensors: dict[str, torch.Tensor], quant_meta: dict[str, Any]) -> ModelWeights:
+    def get(name: str) -> torch.Tensor | QuantizedWeight | None:
+        if name in quant_meta:
+            parts = {k[len(name) + 1 :]: t for k, t in tensors.items() if k.startswith(name + ".")}
+            return from_tensors(quant_meta[name], parts)
+        return tensors.get(name)
+
+    layers = [
+        LayerWeights(**{f.name: get(f"layers.{i}.{f.name}") for f in fields(LayerWeights)})  # type: ignore[arg-type]
+        for i in range(config.num_layers)
+    ]
+    embed = tensors["embed"]
+    lm_head = get("lm_head")
+    return ModelWeights(embed=embed, layers=layers, norm=tensors["norm"], lm_head=embed if lm_head is None else lm_head)
+
+
+def _engine_options(m: dict[str, Any], given: dict[str, Any], sid: str) -> EngineOptions:
+    fixed = {"dtype": m["engine"]["dtype"], "block_size": m["engine"]["block_size"]}
+    for key, value in fixed.items():
+        if given.get(key, value) != value:
+            raise SnapshotError(
+                f"snapshot {sid} was built with {key}={value!r}; it cannot run with {key}={given[key]!r} "
+                f"(leave {key} unset, or rebuild with --{key.replace('_', '-')} {given[key]})"
+            )
+    unknown = sorted(set(given) - {f.name for f in fields(EngineOptions)})
+    if unknown:
+        raise SnapshotError(f"unknown engine option(s): {', '.join(unknown)}")
+    return EngineOptions(**{**given, **fixed})
+
+
+def _check_fingerprint(m: dict[str, Any], sid: str) -> None:
+    weight_blobs = sorted({t["blob"] for t in m["tensors"].values()})
+    e = m["engine"]
+    mine = kv_fingerprint(weight_blobs, m["quantization"], e["dtype"], e["block_size"], runtime.__version__)
+    if m["prefixes"] and mine != m["fingerprint"]:
+        raise SnapshotError(
+            f"snapshot {sid}: its prefix KV was computed by warmstart {e['version']} for other weights or "
+            f"settings, and is not valid for warmstart {runtime.__version__} with these weights; rebuild it "
+            "with `warmstart build`"
+        )

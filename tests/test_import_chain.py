@@ -1,0 +1,23 @@
+"""Cold start is the product: what each layer drags in when imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def imported_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_store_and_cache_import_without_torch() -> None:
+    modules = imported_after("import snapshot, snapshot.store, snapshot.cache, snapshot.format")
+    assert "torch" not in modules
+
+
+def test_runtime_and_loader_never_import_transformers() -> None:
+    modules = imported_after("import runtime, snapshot.loader")
+    assert "torch" in modules
+    assert not {m for m in modules if m.split(".")[0] in ("transformers", "peft")}
