@@ -15,6 +15,7 @@ from runtime.config import ModelConfig
 from runtime.model import Model
 from runtime.model_runner import ModelRunner
 from runtime.outputs import EngineStats, RequestOutput
+from runtime.packed_linear import can_prepack, prepack_weights
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
@@ -37,6 +38,7 @@ class EngineOptions:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_cache_memory_fraction: float = 0.25  # of available memory, when sizing the pool
     seed: int | None = None  # for requests without a seed of their own
+    prepack_weights: bool = True  # bf16 on CPU: reorder linear weights once for oneDNN (see packed_linear)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -83,6 +85,8 @@ class LLMEngine:
     ) -> LLMEngine:
         """From weights already in the engine's layout (a snapshot's mapped tensors)."""
         options.validate()
+        if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
+            weights = prepack_weights(weights)
         max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         return cls(Model(config, weights, max_len), tokenizer, options)
 

@@ -27,6 +27,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         seed: int | None = None,
+        prepack_weights: bool = True,
     ) -> LLM:
         options = EngineOptions(
             dtype=dtype,
@@ -37,6 +38,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len,
             seed=seed,
+            prepack_weights=prepack_weights,
         )
         return cls(LLMEngine.from_hf(model_dir, options))
 

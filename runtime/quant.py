@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from runtime.packed_linear import PackedWeight
 from runtime.weights import ModelWeights
 
 if TYPE_CHECKING:
     from runtime.model import Model
+    from runtime.weights import LinearWeight
 
 SCHEMES = ("none", "int8", "int4", "nf4")
 GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernel accepts; nf4 uses the same choices
@@ -391,10 +393,12 @@ def _expect(meta: dict[str, Any], tensors: dict[str, torch.Tensor], parts: dict[
 # -- public -------------------------------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a float weight (bit for bit), the weight's own kernel for a quantized one."""
+def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a float weight (bit for bit), the weight's own kernel for a quantized or packed one."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if isinstance(w, PackedWeight):
+        return w.linear(x, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = w.linear(x2) if x2.shape[0] else x2.new_empty(0, w.shape[0])

@@ -13,20 +13,25 @@ from safetensors import safe_open
 from runtime.config import ModelConfig, ModelConfigError
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from runtime.packed_linear import PackedWeight
     from runtime.quant import QuantizedWeight
+
+    LinearWeight: TypeAlias = torch.Tensor | QuantizedWeight | PackedWeight | PackedWeight
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | QuantizedWeight  # [q_size + 2 * kv_size, hidden]
+    qkv: LinearWeight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor | QuantizedWeight
+    o_proj: LinearWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | QuantizedWeight  # [2 * intermediate, hidden]
-    down: torch.Tensor | QuantizedWeight
+    gate_up: LinearWeight  # [2 * intermediate, hidden]
+    down: LinearWeight
 
 
 @dataclass
@@ -34,10 +39,10 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor | QuantizedWeight  # the embedding itself when tied
+    lm_head: LinearWeight  # the embedding itself when tied
 
-    def _named(self) -> dict[str, torch.Tensor | QuantizedWeight]:
-        out: dict[str, torch.Tensor | QuantizedWeight] = {"embed": self.embed, "norm": self.norm}
+    def _named(self) -> dict[str, LinearWeight]:
+        out: dict[str, LinearWeight] = {"embed": self.embed, "norm": self.norm}
         if self.lm_head is not self.embed:
             out["lm_head"] = self.lm_head
         for i, layer in enumerate(self.layers):
