@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from runtime.config import ModelConfig
 from runtime.model import Model
 from runtime.model_runner import ModelRunner
 from runtime.outputs import EngineStats, RequestOutput
-from runtime.packed_linear import can_prepack, prepack_weights
+from runtime.packed_linear import can_prepack, prepack_in_background
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.sequence import Sequence
@@ -69,6 +70,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.prepack_thread: threading.Thread | None = None
 
     @classmethod
     def from_hf(cls, model_dir: str | Path, options: EngineOptions | None = None) -> LLMEngine:
@@ -85,10 +87,11 @@ class LLMEngine:
     ) -> LLMEngine:
         """From weights already in the engine's layout (a snapshot's mapped tensors)."""
         options.validate()
-        if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
-            weights = prepack_weights(weights)
         max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        return cls(Model(config, weights, max_len), tokenizer, options)
+        engine = cls(Model(config, weights, max_len), tokenizer, options)
+        if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
+            engine.prepack_thread = prepack_in_background(weights)
+        return engine
 
     # -- requests -------------------------------------------------------------------------------------
 

@@ -33,7 +33,18 @@ def test_prepacked_engine_generates_what_the_plain_one_does(tiny_model_dir, fami
     outs = {}
     for prepack in (False, True):
         llm = LLM.from_hf(tiny_model_dir(family), dtype="bfloat16", num_kv_blocks=64, prepack_weights=prepack)
+        if llm.engine.prepack_thread is not None:
+            llm.engine.prepack_thread.join()
         packed = [type(layer.qkv).__name__ for layer in llm.engine.runner.model.weights.layers]
         assert set(packed) == {"PackedWeight" if prepack else "Tensor"}
         outs[prepack] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_serving_while_packing_gives_the_same_tokens(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    prompts = [[5, 6, 7, 8], list(range(10, 40))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16", num_kv_blocks=64, prepack_weights=False)
+    racing = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16", num_kv_blocks=64)  # packs as it serves
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in racing.generate(prompts, params)] == expected
