@@ -42,7 +42,7 @@ def can_prepack(dtype: torch.dtype) -> bool:
 
 
 def prepack_in_background(weights: ModelWeights) -> threading.Thread:
-    """Pack the decoder's float linear layers and the head in place, one by one, on a daemon thread.
+    """Pack the decoder's float linear layers and the head in place, one by one, on a background thread.
 
     The engine serves from the plain weights meanwhile and picks up each packed one at its next use (the
     results are bit-identical), so packing adds nothing to a cold start's time to ready. The embedding
@@ -58,6 +58,8 @@ def prepack_in_background(weights: ModelWeights) -> threading.Thread:
         if isinstance(weights.lm_head, torch.Tensor):
             weights.lm_head = PackedWeight(weights.lm_head)
 
-    thread = threading.Thread(target=pack_all, name="warmstart-prepack", daemon=True)
+    # Not a daemon: a process that exits while a reorder is running inside oneDNN aborts (SIGABRT); at exit
+    # the interpreter waits for the thread instead (a fraction of a second at most).
+    thread = threading.Thread(target=pack_all, name="warmstart-prepack")
     thread.start()
     return thread
