@@ -23,19 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-
-WORDS = ("system", "policy", "answer", "user", "always", "politely", "context", "document", "careful", "brief")
-
-
-def prefix_text(tokenizer, n_tokens: int) -> str:  # type: ignore[no-untyped-def]
-    """Plain text that tokenizes to at least ``n_tokens`` tokens."""
-    words: list[str] = []
-    i = 0
-    while len(tokenizer.encode(" ".join(words))) < n_tokens:
-        words.extend(WORDS[(i * 7 + j) % len(WORDS)] for j in range(64))
-        i += 1
-    return " ".join(words) + "."
+from benchmarks.workloads import SHARED_BENCH, text_of_tokens  # noqa: E402
 
 
 def ttft(llm, prompt: list[int]) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -68,7 +56,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cache = BlobCache(Path(tmp) / "cache")
         for n in args.prefix_tokens:
-            text = prefix_text(tokenizer, n)
+            text = text_of_tokens(tokenizer, n)
             (Path(tmp) / "prefix.txt").write_text(text)
             spec = PrefixSpec("doc", Path(tmp) / "prefix.txt", "text")
             built = build_snapshot(model, BuildOptions(dtype="bfloat16", prefixes=[spec]), cache)

@@ -50,3 +50,16 @@ def save_requests(requests: list[Request], path: Path) -> None:
 
 def read_requests(path: Path) -> list[Request]:
     return [Request(**r) for r in json.loads(path.read_text())]
+
+
+WORDS = ("system", "policy", "answer", "user", "always", "politely", "context", "document", "careful", "brief")
+
+
+def text_of_tokens(tokenizer, n_tokens: int) -> str:  # type: ignore[no-untyped-def]
+    """Plain English-like text that tokenizes to at least ``n_tokens`` tokens (a long system prompt)."""
+    words: list[str] = []
+    i = 0
+    while len(tokenizer.encode(" ".join(words))) < n_tokens:
+        words.extend(WORDS[(i * 7 + j) % len(WORDS)] for j in range(64))
+        i += 1
+    return " ".join(words) + "."

@@ -1,0 +1,51 @@
+"""The handler a user would write without warmstart: Starlette + transformers, for benchmarks/cold_start.py.
+
+    MODEL_DIR=DIR python -m uvicorn benchmarks.hf_handler:app --port PORT
+
+It imports transformers, loads the model with `from_pretrained` at start-up, and answers an OpenAI-style
+chat request with `generate`, prefilling the whole rendered conversation (system prompt included) on every
+request. /health is 503 until the model is loaded, as a startup probe expects.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+state: dict[str, Any] = {}
+
+
+def load() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = os.environ["MODEL_DIR"]
+    state["tokenizer"] = AutoTokenizer.from_pretrained(model_dir)
+    state["model"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"ready": "model" in state}, status_code=200 if "model" in state else 503)
+
+
+async def chat(request: Request) -> JSONResponse:
+    import torch
+
+    body = await request.json()
+    tok, model = state["tokenizer"], state["model"]
+    ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=body.get("max_tokens", 16), do_sample=False)
+    new = out[0, ids["input_ids"].shape[1] :]
+    return JSONResponse({"choices": [{"message": {"role": "assistant", "content": tok.decode(new)}}],
+                         "usage": {"prompt_tokens": ids["input_ids"].shape[1], "completion_tokens": len(new)}})
+
+
+threading.Thread(target=load, daemon=True).start()
+app = Starlette(routes=[Route("/health", health), Route("/v1/chat/completions", chat, methods=["POST"])])
