@@ -1,4 +1,5 @@
-# warmstart: `make demo` runs the engine on a random model, `make test` runs lint, types and tests.
+# warmstart: `make demo` snapshots a random model and serves it (Ctrl-C stops), `make test` runs lint, types
+# and tests.
 # GPU machines: `make test TORCH=torch` (pip picks the CUDA build of torch).
 
 TORCH ?= torch==2.13.0

@@ -70,7 +70,7 @@ def first_token(cmd: list[str], env: dict[str, str], port: int, system: str, tim
                     raise RuntimeError(f"{cmd[:4]} not ready after {timeout} s")
                 time.sleep(0.01)
             ready = time.perf_counter() - start
-            body = {"model": "m", "max_tokens": 1, "temperature": 0,
+            body = {"max_tokens": 1, "temperature": 0,
                     "messages": [{"role": "system", "content": system}, {"role": "user", "content": USER}]}
             response = client.post(f"{base}/v1/chat/completions", json=body)
             response.raise_for_status()

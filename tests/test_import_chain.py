@@ -21,3 +21,9 @@ def test_runtime_and_loader_never_import_transformers() -> None:
     modules = imported_after("import runtime, snapshot.loader")
     assert "torch" in modules
     assert not {m for m in modules if m.split(".")[0] in ("transformers", "peft")}
+
+
+def test_serving_imports_neither_torch_nor_transformers_before_it_listens() -> None:
+    modules = imported_after("import handlers.cli, handlers.app, handlers.serve, handlers.state, starlette, uvicorn")
+    assert "torch" not in modules and "runtime" not in modules
+    assert not {m for m in modules if m.split(".")[0] in ("transformers", "peft")}

@@ -1,0 +1,156 @@
+"""The Starlette app: routes, the optional API key, the body limit, and OpenAI-style bodies for every error.
+
+Routes: GET /health (503 until the engine is ready, then 200), GET /status (the cold-start timeline and
+what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from handlers.generate import ClientGone
+from handlers.metrics import CONTENT_TYPE
+from handlers.openai_protocol import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
+from handlers.state import ServeState
+
+Parser = Callable[[Any, ServedModel], Generation]
+
+
+def create_app(state: ServeState) -> Starlette:
+    async def health(request: Request) -> Response:
+        if state.healthy:
+            return JSONResponse({"status": "ready"})
+        status = "engine_stopped" if state.service is not None else state.status  # loading or failed
+        return JSONResponse({"status": status}, status_code=503)
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(state.status_json())
+
+    async def metrics(request: Request) -> Response:
+        stats = await state.service.llm.stats() if state.healthy and state.service else None
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    async def models(request: Request) -> Response:
+        entry: dict[str, Any] = {"id": state.model_name, "object": "model", "owned_by": "warmstart",
+                                 "root": state.info.get("snapshot_id")}
+        if state.service is not None:
+            entry["created"] = state.service.model.created
+            entry["max_model_len"] = state.service.model.max_model_len
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def generate(request: Request, parse: Parser) -> Response:
+        service = state.ready_service()
+        state.timeline.mark("first_request")
+        body = await read_json(request, state.limits.max_body_bytes)
+        return await service.respond(parse(body, service.model), request.receive)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, parse_completion)
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, parse_chat)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+    handlers: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
+        APIError: _api_error,
+        HTTPException: _http_error,
+        ClientGone: _client_gone,
+        Exception: _server_error,
+    }
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if state.limits.api_key:
+        app.add_middleware(BearerAuth, key=state.limits.api_key)
+    return app
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing more than ``limit`` bytes (413) before reading them where the length is
+    declared, and as soon as they pass the limit where it is not."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"is {int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"is over {limit} bytes", limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise bad("the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, integers too long to convert
+        raise bad(f"the request body is not valid JSON: {e}") from None
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body {size}; this server accepts at most {limit} bytes",
+                    code="request_too_large")
+
+
+class BearerAuth:
+    """With an API key set, every route but /health needs `Authorization: Bearer <key>` (compared in constant
+    time, so the time taken says nothing about the key)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        scheme, _, token = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        message = ("this server needs an API key: send the header 'Authorization: Bearer <key>'" if given is None
+                   else "the API key is not valid (send 'Authorization: Bearer <key>')")
+        error = APIError(401, message, code="invalid_api_key")
+        await JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+    elif exc.status_code == 405:
+        message = f"{request.url.path} does not accept {request.method}"
+    else:
+        message = str(exc.detail)
+    return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    body = APIError(500, f"internal error ({type(exc).__name__}); this is a bug, the server log has the details")
+    return JSONResponse(body.body(), status_code=500)

@@ -1,0 +1,97 @@
+"""The cold start as a timeline: when each phase of this process's start-up ended, in seconds since it began.
+
+Phases, in the order they happen: process_start (0), imports (what serving needs before it can listen),
+listening (the socket is bound and answers /health), runtime_imports (torch and the loader, in the
+loading thread), manifest, blobs (present in the local cache, pulled or already there), mapped, ready
+(the engine takes requests and /health says 200), first_request, first_token. Each phase is marked once;
+every mark is one JSON line for logs and scripts, and the whole timeline is served at /status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+PHASES = (
+    "process_start",
+    "imports",
+    "listening",
+    "runtime_imports",
+    "manifest",
+    "blobs",
+    "mapped",
+    "ready",
+    "first_request",
+    "first_token",
+)
+
+_IMPORTED_AT = time.monotonic()
+
+
+def process_start() -> float:
+    """When this process started, on the time.monotonic() clock.
+
+    The kernel records the start in clock ticks since boot, and CLOCK_BOOTTIME counts from the same
+    origin, so the interpreter's own start-up is counted too (10 ms resolution). Elsewhere, the import
+    of this module is the earliest moment known."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
+    now = time.monotonic()
+    return now - age if 0 <= age < 3600 else _IMPORTED_AT
+
+
+_print_lock = threading.Lock()
+
+
+def print_json_line(record: dict[str, Any]) -> None:
+    """The serve command's log: one JSON object per line on stdout, flushed at once for whoever waits on it.
+    The loading thread and the event loop both log; the lock keeps their lines whole."""
+    line = json.dumps(record) + "\n"
+    with _print_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class Timeline:
+    def __init__(self, emit: Callable[[dict[str, Any]], None] | None = None, start: float | None = None) -> None:
+        self.start = process_start() if start is None else start
+        self.phases: dict[str, float] = {"process_start": 0.0}
+        self.details: dict[str, dict[str, Any]] = {}
+        self._emit = emit or (lambda _: None)
+        self._lock = threading.Lock()
+
+    def mark(self, phase: str, at: float | None = None, **details: Any) -> bool:
+        """Record that ``phase`` ended at monotonic time ``at`` (now by default); only the first mark counts.
+
+        Returns whether this call was the first. ``details`` (bytes pulled, the URL...) go into the log line
+        and /status."""
+        if phase in self.phases:  # the hot path for first_request / first_token once they are known
+            return False
+        with self._lock:
+            if phase in self.phases:
+                return False
+            seconds = (time.monotonic() if at is None else at) - self.start
+            self.phases[phase] = seconds
+            if details:
+                self.details[phase] = details
+        self._emit({"event": "cold_start", "phase": phase, "seconds": round(seconds, 4), **details})
+        return True
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def as_dict(self) -> dict[str, Any]:
+        """Phases in the order they happened, in seconds since the process started, with their details."""
+        with self._lock:
+            phases = dict(sorted(self.phases.items(), key=lambda kv: kv[1]))
+            return {"phases": {k: round(v, 4) for k, v in phases.items()}, "details": dict(self.details)}

@@ -1,0 +1,184 @@
+"""One validated request on the engine: the in-flight limit, a whole reply or an SSE stream, the client going
+away (its request aborted and its KV blocks freed at once), and the metrics and cold-start marks it leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from handlers.coldstart import Timeline
+from handlers.metrics import Metrics
+from handlers.openai_protocol import APIError, Generation, ServedModel, bad
+from handlers.openai_responses import SSE_DONE, Reply, sse
+
+if TYPE_CHECKING:
+    from runtime.async_engine import AsyncLLM
+    from runtime.outputs import RequestOutput
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready; its request has been aborted."""
+
+
+def engine_stopped(e: Exception) -> APIError:
+    return APIError(503, f"the engine has stopped ({e}); this instance must be restarted")
+
+
+class Service:
+    """The ready engine and what serving it needs; one per process."""
+
+    def __init__(self, llm: AsyncLLM, model: ServedModel, metrics: Metrics, timeline: Timeline,
+                 max_running: int, max_queue: int) -> None:
+        self.llm = llm
+        self.model = model
+        self.metrics = metrics
+        self.timeline = timeline
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.in_flight = 0
+
+    async def respond(self, gen: Generation, receive: Receive) -> Response:
+        from runtime.async_engine import EngineDeadError
+
+        if self.in_flight >= self.max_running + self.max_queue:
+            raise APIError(429, f"the server is full: {self.in_flight} requests in flight ({self.max_running} run "
+                           f"at once, {self.max_queue} may wait); retry in a moment", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+        run = _Run(self, gen, f"{'chatcmpl' if gen.chat else 'cmpl'}-{uuid.uuid4().hex}")
+        try:
+            first = await until_disconnected(run.next(), receive)
+        except BaseException as e:
+            await run.close()
+            if isinstance(e, ValueError):  # the engine's own checks, should ours have missed one
+                raise bad(str(e)) from None
+            if isinstance(e, EngineDeadError):
+                raise engine_stopped(e) from None
+            raise
+        reply = Reply(gen, self.model, run.request_id)
+        if gen.stream:
+            return EventStream(run, reply, first)
+        try:
+            last = await until_disconnected(run.rest(first), receive)
+        except EngineDeadError as e:
+            raise engine_stopped(e) from None
+        finally:
+            await run.close()
+        return JSONResponse(reply.whole(last))
+
+
+class _Run:
+    """One request in flight: its engine stream, the slot it holds, the timings it reports when closed."""
+
+    def __init__(self, service: Service, gen: Generation, request_id: str) -> None:
+        service.in_flight += 1
+        self.service = service
+        self.request_id = request_id
+        self.stream = cast(AsyncGenerator["RequestOutput", None],
+                           service.llm.generate(gen.prompt_ids, gen.params, request_id))
+        self.last: RequestOutput | None = None
+        self.last_at: float | None = None
+        self.closed = False
+
+    async def next(self) -> RequestOutput:
+        out = await anext(self.stream)
+        now = time.monotonic()
+        if out.new_token_ids:
+            if self.last_at is None:
+                first = out.timestamps.first_token if out.timestamps else None
+                self.service.timeline.mark("first_token", at=first or now)
+            else:
+                self.service.metrics.observe_inter_token(now - self.last_at, len(out.new_token_ids))
+            self.last_at = now
+        self.last = out
+        return out
+
+    async def rest(self, out: RequestOutput) -> RequestOutput:
+        while not out.finished:
+            out = await self.next()
+        return out
+
+    async def close(self) -> None:
+        """Give back the slot and abort the request unless it finished; safe to call more than once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.service.in_flight -= 1
+        await self.stream.aclose()
+        out = self.last
+        ts = out.timestamps if out else None
+        if out is None or ts is None:
+            return
+        ttft = ts.first_token - ts.arrival if ts.first_token is not None else None
+        queued = ts.scheduled - ts.arrival if ts.scheduled is not None else None
+        e2e = (ts.finished or time.monotonic()) - ts.arrival
+        self.service.metrics.observe_request(ttft, queued, e2e, out.finish_reason if out.finished else None)
+
+
+class EventStream(StreamingResponse):
+    """SSE chunks as tokens arrive, then `data: [DONE]`. Starlette cancels the stream when the client goes
+    away; the request is then aborted, and closed here whatever happened."""
+
+    def __init__(self, run: _Run, reply: Reply, first: RequestOutput) -> None:
+        self.run = run
+        self.reply = reply
+        self.first = first
+        super().__init__(self._events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        from runtime.async_engine import EngineDeadError
+
+        out, first = self.first, True
+        while True:
+            chunk = self.reply.chunk(out, first)
+            first = False
+            if chunk is not None:
+                yield sse(chunk)
+            if out.finished:
+                break
+            try:
+                out = await self.run.next()
+            except EngineDeadError as e:  # the status line is long gone: say it in the stream
+                yield sse(engine_stopped(e).body())
+                return
+        if self.reply.gen.include_usage:
+            yield sse(self.reply.usage_chunk(out))
+        yield SSE_DONE
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.run.close()
+
+
+async def until_disconnected(awaitable: Awaitable[T], receive: Receive) -> T:
+    """Await ``awaitable``, unless the client disconnects first: then cancel it and raise ClientGone.
+
+    The request body has been read by then, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    message: dict[str, Any] = {}
+    while message.get("type") != "http.disconnect":
+        message = dict(await receive())

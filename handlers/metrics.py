@@ -1,0 +1,112 @@
+"""`GET /metrics`: Prometheus text with the names vLLM users' dashboards already query, prefixed `warmstart:`.
+
+Latency histograms are observed by the handler as requests finish. Engine counters and gauges are read
+from one `EngineStats` taken at scrape time, so they are exactly the engine's own counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from handlers.coldstart import Timeline
+
+if TYPE_CHECKING:
+    from runtime.outputs import EngineStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "warmstart:"
+
+# vLLM's buckets, so that dashboards built for it read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, timeline: Timeline) -> None:
+        self.model_name = model_name
+        self.timeline = timeline
+        self.stats: EngineStats | None = None  # set just before each scrape
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, from arrival to its last token.",
+                             REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time a request waited before it was scheduled.",
+                               REQUEST_BUCKETS)
+        self.success = Counter(PREFIX + "request_success", "Requests that finished, by finish reason.",
+                               [*labels, "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length"):  # present from the start, at 0, as dashboards expect of a series
+            self.success.labels(model_name, reason)
+        self.registry.register(_EngineCollector(self))
+
+    def observe_request(self, ttft: float | None, queue: float | None, e2e: float, reason: str | None) -> None:
+        name = self.model_name
+        if ttft is not None:
+            self.ttft.labels(name).observe(ttft)
+        if queue is not None:
+            self.queue.labels(name).observe(queue)
+        self.e2e.labels(name).observe(e2e)
+        if reason in ("stop", "length"):
+            self.success.labels(name, reason).inc()
+
+    def observe_inter_token(self, seconds: float, tokens: int) -> None:
+        child = self.itl.labels(self.model_name)
+        for _ in range(tokens):
+            child.observe(seconds / tokens)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        self.stats = stats
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m, stats = self.metrics, self.metrics.stats
+        name = [m.model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running if stats else 0)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting if stats else 0)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full); pinned snapshot "
+                    "prefix blocks count as used.", stats.kv_cache_usage if stats else 0.0)
+        yield counter("prompt_tokens", "Prompt tokens computed (prefix cache hits not counted).",
+                      stats.prompt_tokens if stats else 0)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens if stats else 0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries if stats else 0)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      stats.prefix_cache_hits if stats else 0)
+        yield counter("num_preemptions", "Sequences preempted for lack of KV cache blocks.",
+                      stats.num_preemptions if stats else 0)
+        cold = GaugeMetricFamily(PREFIX + "cold_start_seconds", "When each cold-start phase ended, in seconds "
+                                 "since the process started.", labels=["phase"])
+        for phase, seconds in m.timeline.as_dict()["phases"].items():
+            cold.add_metric([phase], seconds)
+        yield cold

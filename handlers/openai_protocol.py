@@ -1,0 +1,433 @@
+"""OpenAI requests in: a body becomes prompt token ids and SamplingParams, or a 4xx with OpenAI's error body.
+
+Validation happens here, with the OpenAI field names in the messages, so the engine only ever sees requests
+it accepts. The engine's own checks stay as a second line (its ValueErrors also become 400s). The replies'
+shapes are in handlers.openai_responses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
+    from runtime.sampling_params import SamplingParams
+    from runtime.tokenizer import Tokenizer
+
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """A request that cannot be served; becomes {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- what the parser needs to know about the served model -----------------------------------------------------
+
+
+@dataclass
+class Prefix:
+    name: str
+    kind: str  # "text": prepended as tokens; "system": a chat system prompt rendered by the chat template
+    token_ids: list[int]
+
+
+@dataclass
+class ServedModel:
+    name: str
+    snapshot_id: str
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
+    kv_cache_tokens: int  # what the whole KV pool holds; no single request may need more
+    prefixes: dict[str, Prefix] = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+    _system_head: list[int] | None = field(default=None, init=False, repr=False)
+    _max_text: int | None = field(default=None, init=False, repr=False)
+
+    def system_head(self) -> list[int]:
+        """What the chat template writes before the first user message's text, behind a placeholder system
+        prompt: the same split the snapshot build used to cut system prefixes."""
+        if self._system_head is None:
+            from snapshot.build import system_prompt_tokens
+
+            assert self.tokenizer is not None
+            self._system_head = system_prompt_tokens(self.tokenizer, SYSTEM_PLACEHOLDER)
+        return self._system_head
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Refuse text too long for the context before tokenizing it: tokenizing holds the GIL (about 1 s per
+        MB here), stalling every stream. No token covers more characters than the longest vocabulary entry,
+        so text has at least chars / longest tokens; the factor 2 leaves room for normalizers that merge
+        characters (NFC)."""
+        if self._max_text is None:
+            assert self.tokenizer is not None
+            longest = max(map(len, self.tokenizer.hf.get_vocab(with_added_tokens=True)), default=1)
+            self._max_text = 2 * longest * self.max_model_len
+        if chars > self._max_text:
+            raise bad(f"the prompt is {chars} characters, more than this model's context of {self.max_model_len} "
+                      "tokens can hold; shorten the prompt", param, "context_length_exceeded")
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is not None:
+            try:
+                return self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except Exception:  # an id past the tokenizer's vocabulary (the model's may be larger)
+                pass
+        return f"token_id:{token_id}"
+
+
+SYSTEM_PLACEHOLDER = "."
+
+
+# -- requests ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """A validated request, ready for the engine."""
+
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top-n alternatives asked for per token; None: no logprobs
+
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "n", "stream", "stream_options", "user", "prefix", "include_stop_str_in_output",
+                 "logprobs"}
+# Known fields whose effect is not implemented: accepted only at the value that changes nothing.
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "frequency_penalty": lambda v: v == 0,
+    "presence_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: v == {},
+    "min_tokens": lambda v: v == 0,
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools there is nothing to choose
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: v == {"type": "text"},
+}
+SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on what is generated
+COMPLETION_FIELDS = COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix"} | IGNORED
+CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
+               "tools", "tool_choice", "functions", "function_call", "response_format"})
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def parse_completion(body: Any, model: ServedModel) -> Generation:
+    b = Body(body, COMPLETION_FIELDS, "completions")
+    _check_model(b, model)
+    prefix = _prefix(b, model)
+    ids = _completion_prompt(b.raw.get("prompt"), model, prefix)
+    logprobs = b.integer("logprobs", None, 0, MAX_LOGPROBS)
+    return _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt")
+
+
+def parse_chat(body: Any, model: ServedModel) -> Generation:
+    b = Body(body, CHAT_FIELDS, "chat completions")
+    _check_model(b, model)
+    prefix = _prefix(b, model)
+    messages = _messages(b.raw.get("messages"))
+    ids = _chat_prompt(messages, model, prefix)
+    want = b.boolean("logprobs", False)
+    top = b.integer("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
+    return _finish(b, model, ids, chat=True, logprobs=(top or 0) if want else None, prompt_param="messages")
+
+
+class Body:
+    """A JSON object read field by field, each checked for type and range with a message naming the field."""
+
+    def __init__(self, raw: Any, allowed: set[str], endpoint: str) -> None:
+        if not isinstance(raw, dict):
+            raise bad(f"the request body must be a JSON object, got {json_type(raw)}")
+        unknown = sorted(k for k in raw if k not in allowed)
+        if unknown:
+            raise bad(f"unknown field {unknown[0]!r} for {endpoint} (this server does not support it)", unknown[0])
+        for name, neutral in NEUTRAL.items():
+            value = raw.get(name)
+            if value is not None and not neutral(value):
+                raise bad(f"{name} is not supported by this server; leave it out", name)
+        self.raw: dict[str, Any] = raw
+
+    def get(self, name: str, kinds: tuple[type, ...], what: str) -> Any:
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) and bool not in kinds:
+            raise bad(f"{name} must be {what}, got a boolean", name)
+        if not isinstance(value, kinds):
+            raise bad(f"{name} must be {what}, got {json_type(value)}", name)
+        return value
+
+    def integer(self, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+        value = self.get(name, (int,), "an integer")
+        if value is None:
+            return default
+        if value < lo or (hi is not None and value > hi):
+            raise bad(f"{name} must be {_range(lo, hi)}, got {value}", name)
+        return int(value)
+
+    def number(self, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+        value = self.get(name, (int, float), "a number")
+        if value is None:
+            return default
+        ok = (lo < value if lo_open else lo <= value) and value <= hi  # NaN fails every comparison
+        if not ok:
+            raise bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value}", name)
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name, (bool,), "true or false")
+        return default if value is None else bool(value)
+
+    def string(self, name: str) -> str | None:
+        value = self.get(name, (str,), "a string")
+        return None if value is None else str(value)
+
+
+def _range(lo: int, hi: int | None) -> str:
+    return f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _check_model(b: Body, model: ServedModel) -> None:
+    requested = b.string("model")
+    if requested is not None and requested not in (model.name, model.snapshot_id):
+        raise APIError(404, f"model {requested[:80]!r} is not served here; this server serves {model.name!r}",
+                       param="model", code="model_not_found")
+
+
+def _prefix(b: Body, model: ServedModel) -> Prefix | None:
+    name = b.string("prefix")
+    if name is None:
+        return None
+    if name not in model.prefixes:
+        known = ", ".join(sorted(model.prefixes)) or "none"
+        raise bad(f"unknown prefix {name[:100]!r}; this snapshot's prefixes: {known}", "prefix", "prefix_not_found")
+    return model.prefixes[name]
+
+
+def _completion_prompt(prompt: Any, model: ServedModel, prefix: Prefix | None) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise bad("this model has no tokenizer; send prompt as an array of token ids", "prompt")
+        model.check_text_length(len(prompt), "prompt")
+        # Behind a prefix the text continues a sequence that already began, so no BOS in the middle.
+        try:
+            ids = model.tokenizer.encode(prompt, add_special_tokens=prefix is None) if prompt else []
+        except UnicodeError:
+            raise bad("prompt is not valid Unicode text (it holds a lone surrogate)", "prompt") from None
+    elif isinstance(prompt, list):
+        if len(prompt) > 1 and any(isinstance(p, str | list) for p in prompt):
+            raise bad(f"one prompt per request is supported, got {len(prompt)}; send them as separate requests",
+                      "prompt")
+        ids = _token_ids(prompt, model.vocab_size, "prompt")
+    elif prompt is None:
+        raise bad("prompt is required", "prompt")
+    else:
+        raise bad(f"prompt must be a string or an array of token ids, got {json_type(prompt)}", "prompt")
+    ids = (prefix.token_ids if prefix else []) + ids
+    if not ids:
+        raise bad("prompt is empty", "prompt")
+    return ids
+
+
+def _token_ids(values: list[Any], vocab_size: int, param: str) -> list[int]:
+    for i, t in enumerate(values):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            shown = json.dumps(t)[:40]
+            raise bad(f"{param}[{i}] must be a token id, an integer in [0, {vocab_size}), got {shown}", param)
+    return list(values)
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    if raw is None:
+        raise bad("messages is required", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty array of {role, content} objects", "messages")
+    messages = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object with role and content, got {json_type(m)}", "messages")
+        extra = sorted(k for k in m if k not in ("role", "content", "name"))
+        if extra:
+            raise bad(f"{where}.{extra[0]} is not supported by this server", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            shown = json.dumps(role)[:40]
+            raise bad(f"{where}.role must be one of system, developer, user, assistant, got {shown}", "messages")
+        if "name" in m and not isinstance(m["name"], str):
+            raise bad(f"{where}.name must be a string, got {json_type(m['name'])}", "messages")
+        messages.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), where)})
+    return messages
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else json_type(part)
+                raise bad(f"{where}.content[{j}] must be a text part ({{type: text, text: ...}}); "
+                          f"this server supports text only, got {json.dumps(kind)[:40]}", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content must be a string or an array of text parts, got {json_type(content)}", "messages")
+
+
+def _chat_prompt(messages: list[dict[str, str]], model: ServedModel, prefix: Prefix | None) -> list[int]:
+    tok = model.tokenizer
+    if tok is None or tok.chat_template is None:
+        raise bad("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+    model.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+    if prefix is not None and prefix.kind == "system":
+        # The prefix is the system turn (and the next turn's header): splice the messages in after it.
+        if any(m["role"] == "system" for m in messages):
+            raise bad(f"prefix {prefix.name!r} is a system prompt; leave the system message out or the prefix",
+                      "prefix")
+        ids = _render(tok, [{"role": "system", "content": SYSTEM_PLACEHOLDER}, *messages])
+        head = model.system_head()
+        if ids[: len(head)] != head:
+            raise bad(f"prefix {prefix.name!r} is a system prompt, which the chat template puts before a user "
+                      "message; start the messages with a user message", "messages")
+        return prefix.token_ids + ids[len(head) :]
+    ids = _render(tok, messages)
+    return (prefix.token_ids if prefix else []) + ids
+
+
+def _render(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    import jinja2
+
+    try:
+        return tok.encode_chat(messages)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
+
+
+def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs: int | None,
+            prompt_param: str) -> Generation:
+    from runtime.sampling_params import SamplingParams
+
+    n = b.integer("n", 1, 1)
+    if n != 1:
+        raise bad(f"n must be 1 (one choice per request) for now, got {n}; send separate requests", "n")
+    b.string("user")
+    stream = b.boolean("stream", False)
+    options = b.get("stream_options", (dict,), "an object")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options is only allowed when stream is true", "stream_options")
+        unknown = sorted(k for k in options if k != "include_usage")
+        if unknown:
+            raise bad(f"unknown field stream_options.{unknown[0]}", "stream_options")
+        usage = options.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise bad(f"stream_options.include_usage must be true or false, got {json_type(usage)}", "stream_options")
+        include_usage = bool(usage)
+
+    room = model.max_model_len - len(ids)
+    if room < 1:
+        raise bad(f"the prompt is {len(ids)} tokens; this model's context is {model.max_model_len} tokens (it "
+                  "must also leave room for one generated token); shorten the prompt", prompt_param,
+                  "context_length_exceeded")
+    name = "max_completion_tokens" if chat and b.raw.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = b.integer(name, None, 1)
+    if max_tokens is None:
+        # OpenAI's completions default is 16; chat runs until the context (or the KV pool) is full.
+        fits = min(model.max_model_len, model.kv_cache_tokens) - len(ids)
+        max_tokens = min(16, room) if not chat else max(1, min(room, fits))
+    elif max_tokens > room:
+        raise bad(f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, {len(ids) + max_tokens} in all; "
+                  f"this model's context is {model.max_model_len} tokens (lower {name} to at most {room})", name,
+                  "context_length_exceeded")
+
+    top_k = b.integer("top_k", 0, -1)
+    assert top_k is not None
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=b.number("temperature", 1.0, 0.0, 100.0),
+            top_p=b.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+            top_k=0 if top_k >= model.vocab_size else top_k,
+            min_p=b.number("min_p", 0.0, 0.0, 1.0),
+            seed=b.integer("seed", None, *SEED_RANGE),
+            stop=_stop(b),
+            stop_token_ids=_stop_token_ids(b, model.vocab_size),
+            ignore_eos=b.boolean("ignore_eos", False),
+            logprobs=logprobs,
+            include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
+        )
+    except ValueError as e:  # the runtime's own checks: kept as a second line
+        raise bad(str(e)) from None
+    return Generation(chat, ids, params, stream, include_usage, logprobs)
+
+
+def _stop(b: Body) -> list[str]:
+    stop = b.raw.get("stop")
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad("stop must be a non-empty string or an array of non-empty strings", "stop")
+    if len(items) > MAX_STOP:
+        raise bad(f"stop holds {len(items)} strings; at most {MAX_STOP} are supported", "stop")
+    return list(items)
+
+
+def _stop_token_ids(b: Body, vocab_size: int) -> list[int]:
+    ids = b.get("stop_token_ids", (list,), "an array of token ids")
+    return [] if ids is None else _token_ids(ids, vocab_size, "stop_token_ids")

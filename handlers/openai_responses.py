@@ -1,0 +1,108 @@
+"""OpenAI replies out: the whole response body, or its SSE chunks, with usage and logprobs as clients read them."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from handlers.openai_protocol import Generation, ServedModel
+
+if TYPE_CHECKING:
+    from runtime.outputs import RequestOutput
+    from runtime.sequence import TokenLogprobs
+
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+
+@dataclass
+class Reply:
+    """Builds the bodies of one request's response: the whole of it, or its stream of chunks."""
+
+    gen: Generation
+    model: ServedModel
+    request_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model.name,
+                "system_fingerprint": self.model.snapshot_id}
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
+        logprobs = self._logprobs(out.logprobs or []) if self.gen.logprobs is not None else None
+        if self.gen.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                                      "logprobs": logprobs, "finish_reason": out.finish_reason}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            body = self._head("text_completion")
+        return {**body, "choices": [choice], "usage": usage(out)}
+
+    def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any] | None:
+        """The SSE chunk for what ``out`` adds, or None when it adds nothing a client would see."""
+        new = out.new_token_ids
+        new_lps = (out.logprobs or [])[len(out.token_ids) - len(new) :] if self.gen.logprobs is not None else []
+        if not (out.new_text or new_lps or out.finished or first):
+            return None
+        logprobs = self._logprobs(new_lps) if self.gen.logprobs is not None else None
+        reason = out.finish_reason if out.finished else None
+        if self.gen.chat:
+            delta: dict[str, Any] = {"content": out.new_text}
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        if self.gen.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        body = self._head("chat.completion.chunk" if self.gen.chat else "text_completion")
+        return {**body, "choices": [], "usage": usage(out)}
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        text = self.model.token_text
+        if self.gen.chat:
+            def entry(token_id: int, lp: float) -> dict[str, Any]:
+                s = text(token_id)
+                return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [entry(t, v) for t, v in _ranked(lp.top)]} for lp in lps]}
+        tokens = [text(lp.token_id) for lp in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
+                "top_logprobs": [{text(t): _finite(v) for t, v in _ranked(lp.top)} for lp in lps],
+                "text_offset": offsets}
+
+
+def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda kv: -kv[1])
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else LOGPROB_FLOOR
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,121 @@
+"""`warmstart serve REF`: listen at once, load the snapshot in a thread, serve the OpenAI API, drain on SIGTERM.
+
+Before the socket is bound only what answering HTTP needs is imported (Starlette, uvicorn,
+prometheus-client, these handlers); torch and the snapshot loader are imported by the loading thread
+afterwards, so /health answers 503 while they load. stdout carries one JSON line per cold-start phase
+(see handlers.coldstart): scripts wait for `"phase": "listening"` (it has the URL and port) and
+`"phase": "ready"`. On SIGTERM the server stops accepting, lets in-flight requests finish for up to
+--grace-seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from handlers.coldstart import Timeline, print_json_line
+from handlers.errors import CliError, non_negative_int, port_number, positive_int
+
+
+def add_command(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="serve a snapshot over an OpenAI-compatible HTTP API")
+    serve.add_argument("ref", help="snapshot id, unique id prefix or ref name")
+    serve.add_argument("--store", help="a directory, file://PATH or s3://BUCKET/PREFIX (default $WARMSTART_STORE)")
+    serve.add_argument("--cache", type=Path, help="local blob cache (default $WARMSTART_CACHE)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: REF)")
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=positive_int, help="requests run at once (default 64)")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default 2048)")
+    engine.add_argument("--num-kv-blocks", type=positive_int, help="KV pool size (default: from free memory)")
+    engine.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-queue", type=non_negative_int, default=256,
+                        help="requests that may wait beyond --max-num-seqs before a 429 (default 256)")
+    limits.add_argument("--max-body-bytes", type=positive_int, default=2 << 20,
+                        help="largest request body accepted (default 2 MiB)")
+    limits.add_argument("--grace-seconds", type=float, default=30.0,
+                        help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    limits.add_argument("--api-key-env", default="WARMSTART_API_KEY", metavar="NAME",
+                        help="environment variable holding the API key; when set, every route but /health needs "
+                             "'Authorization: Bearer <key>' (default WARMSTART_API_KEY)")
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    timeline = Timeline(emit=print_json_line)
+    if args.grace_seconds < 0:
+        raise CliError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
+    import uvicorn
+
+    from handlers.app import create_app
+    from handlers.state import Limits, ServeState, load_snapshot
+
+    timeline.mark("imports")
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None)
+    state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url)
+    engine_options = {name: getattr(args, name) for name in
+                      ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+                      if getattr(args, name) is not None}
+
+    def load() -> None:
+        load_snapshot(state, args.store, args.cache, engine_options)
+        if state.status == "failed":
+            print_json_line({"event": "error", "message": state.error})
+            server.should_exit = True
+
+    def on_listening() -> None:
+        timeline.mark("listening", url=url, host=host, port=port, pid=os.getpid())
+        threading.Thread(target=load, name="warmstart-load", daemon=True).start()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                on_listening()
+
+    server = Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=args.grace_seconds))
+
+    def stop(signum: int, frame: Any) -> None:
+        server.should_exit = True
+
+    # uvicorn drains on SIGTERM, then restores this handler and raises the signal again; exiting 0 after a
+    # drain (what platforms expect of a clean stop) needs a handler here that does not kill the process.
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.shutdown()
+    if state.status == "failed":
+        raise CliError(state.error or "the snapshot failed to load")
+    print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4)})
+    return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, bound here rather than by uvicorn so that the port (also a free one picked for
+    --port 0) is known, and a busy port is one clear error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise CliError(f"cannot listen on {host}: {e.strerror} (give an address such as 127.0.0.1)") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror} (pick another --port, or --port 0 for any "
+                       "free one)") from None
+    return sock

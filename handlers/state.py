@@ -1,0 +1,150 @@
+"""What the server knows about itself: loading, ready or failed; the snapshot it serves; its timeline.
+
+`load_snapshot` runs in the loading thread. It is the first thing in the process to import torch and the
+snapshot loader, after the socket is bound, so that /health answers while they load.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from handlers.coldstart import Timeline
+from handlers.generate import Service
+from handlers.metrics import Metrics
+from handlers.openai_protocol import APIError, Prefix, ServedModel
+
+if TYPE_CHECKING:
+    from runtime.async_engine import AsyncLLM
+
+
+@dataclass
+class Limits:
+    max_queue: int = 256  # requests that may wait beyond the engine's max_num_seqs before a 429
+    max_body_bytes: int = 2 << 20
+    api_key: str | None = None
+
+
+@dataclass
+class ServeState:
+    ref: str
+    model_name: str
+    timeline: Timeline
+    limits: Limits = field(default_factory=Limits)
+    url: str | None = None  # where it listens, once it does
+    status: str = "loading"  # loading | ready | failed
+    error: str | None = None
+    service: Service | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # snapshot id, prefixes, adapters, pull, engine
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.model_name, self.timeline)
+
+    @property
+    def healthy(self) -> bool:
+        return self.service is not None and self.service.llm.is_alive
+
+    def ready_service(self) -> Service:
+        if self.service is not None:
+            return self.service
+        if self.status == "failed":
+            raise APIError(503, f"the snapshot failed to load: {self.error}")
+        raise APIError(503, "the model is still loading; retry when GET /health answers 200",
+                       headers={"Retry-After": "1"})
+
+    def set_ready(self, llm: AsyncLLM, model: ServedModel, info: dict[str, Any]) -> None:
+        engine = llm.engine
+        self.info = info
+        self.service = Service(llm, model, self.metrics, self.timeline, engine.options.max_num_seqs,
+                               self.limits.max_queue)
+        self.status = "ready"
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.status = "failed"
+
+    def status_json(self) -> dict[str, Any]:
+        return {"status": self.status, "model": self.model_name, "ref": self.ref, "url": self.url, **self.info,
+                **self.timeline.as_dict(), "error": self.error}
+
+    def shutdown(self) -> None:
+        if self.service is not None:
+            self.service.llm.shutdown()
+
+
+def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None,
+                  engine_options: dict[str, Any]) -> None:
+    """Pull (if need be), map and start the engine for ``state.ref``; the state ends ready or failed."""
+    timeline = state.timeline
+    try:
+        from runtime.async_engine import AsyncLLM
+        from snapshot.cache import BlobCache
+        from snapshot.format import Manifest
+        from snapshot.loader import load_with_report
+
+        timeline.mark("runtime_imports")
+        started = time.monotonic()
+        blob_cache = BlobCache(cache)
+        llm, report = load_with_report(state.ref, store, blob_cache, **engine_options)
+        for phase in ("manifest", "blobs", "mapped"):
+            details: dict[str, Any] = {}
+            if phase == "manifest":
+                details = {"snapshot_id": report.snapshot_id}
+            elif phase == "blobs":
+                details = {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
+                           "blobs_total": report.blobs_total}
+            timeline.mark(phase, at=started + report.phases[phase], **details)
+        raw = blob_cache.get_manifest(report.snapshot_id)
+        assert raw is not None, "a loaded snapshot's manifest is in the cache"
+        manifest = Manifest.decode(raw).data
+        engine = llm.engine
+        model = ServedModel(
+            name=state.model_name,
+            snapshot_id=report.snapshot_id,
+            tokenizer=engine.tokenizer,
+            vocab_size=engine.config.vocab_size,
+            max_model_len=engine.max_model_len,
+            kv_cache_tokens=engine.blocks.num_blocks * engine.blocks.block_size,
+            prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
+        )
+        info = {
+            "snapshot_id": report.snapshot_id,
+            "prefixes": report.prefixes,
+            "adapters": manifest.get("adapters", []),
+            "pull": {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
+                     "blobs_total": report.blobs_total},
+            "engine": {"dtype": engine.options.dtype, "block_size": engine.blocks.block_size,
+                       "num_kv_blocks": engine.blocks.num_blocks, "max_num_seqs": engine.options.max_num_seqs,
+                       "max_num_batched_tokens": engine.options.max_num_batched_tokens,
+                       "max_model_len": engine.max_model_len},
+        }
+        ready_at = time.monotonic()
+        state.set_ready(AsyncLLM(engine), model, info)
+        timeline.mark("ready", at=ready_at, url=state.url, snapshot_id=report.snapshot_id, model=state.model_name)
+    except Exception as e:
+        state.fail(_describe(e, state.ref))
+
+
+def _describe(e: Exception, ref: str) -> str:
+    """One sentence for a load that failed: the loader's own errors say what to do; anything else is a bug."""
+    try:
+        from runtime.config import ModelConfigError
+        from snapshot.format import FormatError
+        from snapshot.loader import SnapshotError
+        from snapshot.store import StoreError
+
+        known: tuple[type[Exception], ...] = (StoreError, FormatError, SnapshotError, ModelConfigError)
+    except ImportError:
+        known = ()
+    if isinstance(e, known):
+        return str(e)
+    if isinstance(e, ValueError):
+        return f"cannot start the engine for snapshot {ref!r}: {e}"
+    if isinstance(e, OSError):
+        return f"cannot load snapshot {ref!r}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    traceback.print_exc(file=sys.stderr)
+    return f"loading snapshot {ref!r} failed: {type(e).__name__}: {e}"

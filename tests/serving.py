@@ -1,0 +1,58 @@
+"""What the serving tests share: a tiny model's snapshot with a system prefix and a text prefix, in a local
+store, and a ServeState loaded from it in-process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from handlers.coldstart import Timeline
+from handlers.state import Limits, ServeState, load_snapshot
+from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
+from snapshot.cache import BlobCache, push_snapshot
+from snapshot.store import open_store
+
+REF = "tiny"
+SYSTEM_TEXT = "You are a terse assistant. Answer in one short sentence, and never apologise for anything. " * 3
+DOC_TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire. " * 3
+
+
+@dataclass
+class TinySnapshot:
+    id: str
+    store: Path
+    cache: Path
+    cached_tokens: dict[str, int]  # prefix name -> tokens a request starting with it finds in the cache
+
+
+def build_tiny_snapshot(model_dir: Path, root: Path) -> TinySnapshot:
+    (root / "system.txt").write_text(SYSTEM_TEXT)
+    (root / "doc.txt").write_text(DOC_TEXT)
+    prefixes = [PrefixSpec("assistant", root / "system.txt", "system"), PrefixSpec("doc", root / "doc.txt", "text")]
+    cache = root / "cache"
+    built = build_snapshot(model_dir, BuildOptions(dtype="float32", prefixes=prefixes), BlobCache(cache))
+    store = open_store(str(root / "store"))
+    push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
+    store.set_ref(REF, built.id)
+    block = built.manifest.data["engine"]["block_size"]
+    cached = {p["name"]: len(p["block_hashes"]) * block for p in built.manifest.data["prefixes"]}
+    return TinySnapshot(built.id, root / "store", cache, cached)
+
+
+def ready_state(snap: TinySnapshot, limits: Limits | None = None, **engine_options: Any) -> ServeState:
+    state = ServeState(REF, REF, Timeline(), limits or Limits())
+    options = {"num_kv_blocks": 64, "max_model_len": 256, **engine_options}
+    load_snapshot(state, str(snap.store), snap.cache, options)
+    assert state.status == "ready", state.error
+    return state
+
+
+def error_of(response: Any) -> dict[str, Any]:
+    """The OpenAI error object of a 4xx/5xx response, checked for shape."""
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    return error  # type: ignore[no-any-return]
