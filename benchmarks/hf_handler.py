@@ -2,9 +2,10 @@
 
     MODEL_DIR=DIR python -m uvicorn benchmarks.hf_handler:app --port PORT
 
-It imports transformers, loads the model with `from_pretrained` at start-up, and answers an OpenAI-style
-chat request with `generate`, prefilling the whole rendered conversation (system prompt included) on every
-request. /health is 503 until the model is loaded, as a startup probe expects.
+It imports transformers, loads the model with `from_pretrained` at start-up, and answers OpenAI-style chat
+and (token-id) completion requests with `generate`, one at a time, prefilling the whole rendered
+conversation (system prompt included) on every request. /health is 503 until the model is loaded, as a
+startup probe expects. Used by benchmarks/cold_start.py and benchmarks/serve_load.py.
 """
 
 from __future__ import annotations
@@ -47,5 +48,23 @@ async def chat(request: Request) -> JSONResponse:
                          "usage": {"prompt_tokens": ids["input_ids"].shape[1], "completion_tokens": len(new)}})
 
 
+async def completions(request: Request) -> JSONResponse:
+    """Token-id prompts (benchmarks/serve_load.py), greedy, EOS ignored: exactly max_tokens come out."""
+    import torch
+
+    body = await request.json()
+    ids = torch.tensor([body["prompt"]])
+    with torch.no_grad():
+        out = state["model"].generate(ids, max_new_tokens=body["max_tokens"], min_new_tokens=body["max_tokens"],
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    new = out[0, ids.shape[1] :].tolist()
+    return JSONResponse({"choices": [{"text": "", "token_ids": new}],
+                         "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)}})
+
+
 threading.Thread(target=load, daemon=True).start()
-app = Starlette(routes=[Route("/health", health), Route("/v1/chat/completions", chat, methods=["POST"])])
+app = Starlette(routes=[
+    Route("/health", health),
+    Route("/v1/chat/completions", chat, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+])
