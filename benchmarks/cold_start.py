@@ -101,8 +101,9 @@ def prepare(config: Path, workdir: Path, s3_endpoint: str) -> tuple[Path, str, s
 
     from runtime.tokenizer import Tokenizer
     from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
-    from snapshot.cache import BlobCache, push_snapshot
+    from snapshot.cache import BlobCache
     from snapshot.store import open_store
+    from snapshot.transfer import push_snapshot
 
     model = bench_model_dir(config)
     system = text_of_tokens(Tokenizer(model), 2048)

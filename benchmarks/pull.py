@@ -6,7 +6,7 @@ The script starts moto's server in its own process on 127.0.0.1 (so that it does
 real endpoint would not), uploads --blobs random blobs totalling --total-mb, then pulls all of them into an
 empty directory per run, variants alternating in order round after round:
 
-- ours: `snapshot.cache.pull_blobs` (parallel ranged GETs over parts of all blobs, each blob verified
+- ours: `snapshot.transfer.pull_blobs` (parallel ranged GETs over parts of all blobs, each blob verified
   against its xxh3-128 name, fsynced and renamed into a cache), at its defaults and other settings;
 - boto3: `download_file` with its default TransferConfig (8 MB parts, 10 threads), blob after blob.
 
@@ -33,9 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from snapshot.cache import BlobCache, pull_blobs  # noqa: E402
+from snapshot.cache import BlobCache  # noqa: E402
 from snapshot.format import blob_id  # noqa: E402
-from snapshot.store import S3Store  # noqa: E402
+from snapshot.s3 import S3Store  # noqa: E402
+from snapshot.transfer import pull_blobs  # noqa: E402
 
 BUCKET = "bench"
 MiB = 1 << 20

@@ -124,8 +124,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache, push_snapshot
+    from snapshot.cache import BlobCache
     from snapshot.store import open_store
+    from snapshot.transfer import push_snapshot
 
     model = bench_model_dir(args.config)
     requests = load_workload("mixed", json.loads((model / "config.json").read_text())["vocab_size"], scale=args.scale)

@@ -128,8 +128,9 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
 
     with user_errors():
         import runtime
+        from snapshot.errors import NotFound
         from snapshot.format import Manifest, blob_id, file_blob_id
-        from snapshot.store import NotFound, open_store
+        from snapshot.store import open_store
 
         store = open_store(args.store)
         try:
@@ -143,7 +144,8 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
         except NotFound:
             pass
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.cache import BlobCache, push_snapshot
+        from snapshot.cache import BlobCache
+        from snapshot.transfer import push_snapshot
 
         log(f"building the demo snapshot into {store.uri} ...")
         with tempfile.TemporaryDirectory() as tmp:

@@ -75,8 +75,8 @@ def _common(parser: argparse.ArgumentParser, cache: bool = False) -> None:
 def user_errors() -> Iterator[None]:
     """Turn the errors a user can cause into one clear sentence."""
     from runtime.config import ModelConfigError
+    from snapshot.errors import StoreError
     from snapshot.format import FormatError
-    from snapshot.store import StoreError
 
     try:
         yield
@@ -104,8 +104,8 @@ def _cache(args: argparse.Namespace) -> Any:
 def cmd_build(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.cache import push_snapshot
         from snapshot.store import open_store
+        from snapshot.transfer import push_snapshot
 
         try:
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
@@ -134,8 +134,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.cache import pull_snapshot, resolve_ref
+        from snapshot.refs import resolve_ref
         from snapshot.store import open_store
+        from snapshot.transfer import pull_snapshot
 
         store = open_store(args.store)
         snapshot_id = resolve_ref(store, args.ref)
@@ -171,8 +172,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.cache import resolve_ref
         from snapshot.format import Manifest
+        from snapshot.refs import resolve_ref
         from snapshot.store import open_store
 
         store = open_store(args.store)
@@ -212,7 +213,7 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
 
 def cmd_tag(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.cache import resolve_ref
+        from snapshot.refs import resolve_ref
         from snapshot.store import open_store
 
         store = open_store(args.store)
@@ -224,7 +225,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.cache import gc
+        from snapshot.gc import gc
         from snapshot.store import open_store
 
         store = open_store(args.store)

@@ -133,9 +133,9 @@ def _describe(e: Exception, ref: str) -> str:
     """One sentence for a load that failed: the loader's own errors say what to do; anything else is a bug."""
     try:
         from runtime.config import ModelConfigError
+        from snapshot.errors import StoreError
         from snapshot.format import FormatError
         from snapshot.loader import SnapshotError
-        from snapshot.store import StoreError
 
         known: tuple[type[Exception], ...] = (StoreError, FormatError, SnapshotError, ModelConfigError)
     except ImportError:

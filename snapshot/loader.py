@@ -23,9 +23,11 @@ from runtime.engine import EngineOptions, LLMEngine
 from runtime.quant import QuantizedWeight, from_tensors
 from runtime.tokenizer import Tokenizer
 from runtime.weights import LayerWeights, ModelWeights
-from snapshot.cache import BlobCache, pull_snapshot, resolve_ref
+from snapshot.cache import BlobCache
 from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint
+from snapshot.refs import resolve_ref
 from snapshot.store import Store, open_store
+from snapshot.transfer import pull_snapshot
 
 
 class SnapshotError(Exception):

@@ -6,68 +6,30 @@ The layout is the same in every kind of store, relative to its root:
     snapshots/<id>.msgpack      a manifest; id = xxh3-128 of these bytes (the snapshot id)
     refs/<name>                 text: a snapshot id (refs are the only thing ever overwritten)
 
-Two kinds: a local directory (a plain path or file://PATH) and S3 or any S3-compatible endpoint
-(s3://BUCKET/PREFIX) through boto3. `Store` holds the layout and the checks; a kind only moves bytes by key.
+Two kinds: a local directory (a plain path or file://PATH; `LocalStore`, here) and S3 or any S3-compatible
+endpoint (s3://BUCKET/PREFIX; `S3Store` in snapshot.s3). `Store` holds the layout and the checks; a kind only
+moves bytes by key.
 Every failure is a StoreError whose message is one sentence saying what was wrong and what to do.
 Credentials never appear in a message or a log line.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
-from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
+from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError
+from snapshot.files import CHUNK, OnBytes, copy_into, os_errors, user_cache_dir, write_all, write_atomic
 from snapshot.format import blob_id, file_blob_id, is_id
 
 MAX_REF_LENGTH = 128
 REF_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 MANIFEST_SUFFIX = ".msgpack"
-CHUNK = 8 << 20  # copy and stream in pieces this large
-
-OnBytes = Callable[[int], None]
-
-
-class StoreError(Exception):
-    """A store operation failed; the message is one sentence: what was wrong and what to do."""
-
-
-class NotFound(StoreError):
-    """The blob, snapshot, ref or bucket does not exist."""
-
-
-class NoSuchBucket(NotFound):
-    """The bucket itself does not exist (so nothing in it can be found either)."""
-
-
-class AccessDenied(StoreError):
-    """Missing, rejected or insufficient credentials or permissions."""
-
-
-class StoreUnreachable(StoreError):
-    """The store could not be reached, or kept failing after retries; trying again later may work."""
-
-
-class TransferInterrupted(StoreUnreachable):
-    """The connection failed while a body was streaming (botocore retries requests, not bodies); what arrived
-    is good, so the reader may resume from there."""
-
-
-class CorruptBlob(StoreError):
-    """Bytes that do not hash to the id they are stored under."""
-
-
-def user_cache_dir() -> Path:
-    """warmstart's directory under the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "warmstart"
 
 
 def default_store_dir() -> Path:
@@ -83,6 +45,8 @@ def open_store(uri: str | None = None) -> Store:
         raise StoreError("the store URI is empty; give a directory, file://PATH or s3://BUCKET/PREFIX")
     scheme = urlparse(uri).scheme
     if scheme == "s3":
+        from snapshot.s3 import S3Store  # s3 subclasses Store, so it cannot be imported before this module
+
         return S3Store(uri)
     if scheme == "file":
         return LocalStore(_file_uri_path(uri))
@@ -288,67 +252,6 @@ def _file_uri_path(uri: str) -> str:
     return parsed.path
 
 
-# Local files ----------------------------------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a temporary file in the same directory (fsync, then rename), so that readers see
-    the old content or the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"  # names starting with '.' are never listed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def write_all(f: BinaryIO, data: bytes) -> None:
-    f.write(data)
-
-
-def copy_into(dst: BinaryIO, src_path: Path, on_bytes: OnBytes | None = None) -> None:
-    with open(src_path, "rb") as src:
-        while chunk := src.read(CHUNK):
-            dst.write(chunk)
-            if on_bytes:
-                on_bytes(len(chunk))
-
-
-@contextmanager
-def os_errors(doing: str) -> Iterator[None]:
-    """Turn an OSError into a StoreError that says what we were doing and what to do about it."""
-    try:
-        yield
-    except StoreError:
-        raise
-    except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
-        if e.errno == errno.ENOSPC:
-            raise StoreError(f"the disk is full while {doing}{where}; free some space or use another directory") \
-                from None
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise AccessDenied(f"permission denied while {doing}{where}; check the directory's owner and mode, "
-                               "or use another directory") from None
-        raise StoreError(f"{e.strerror or e} while {doing}{where}") from None
-
-
 class LocalStore(Store):
     """A store in a local directory; every write is atomic (temporary file, fsync, rename)."""
 
@@ -409,206 +312,3 @@ class LocalStore(Store):
     def _delete(self, key: str) -> None:
         with os_errors(f"deleting {key} from the store {self.uri}"):
             self._path(key).unlink(missing_ok=True)
-
-
-# S3 -------------------------------------------------------------------------------------------------------
-
-MULTIPART_THRESHOLD = 64 << 20
-MULTIPART_CHUNK = 32 << 20
-MAX_ATTEMPTS = 8  # unless configured: botocore retries throttling, 5xx and dropped connections with backoff
-
-BUCKET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_ACCESS_DENIED = {"AccessDenied", "AllAccessDisabled", "Forbidden", "403", "AccountProblem"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired", "InvalidClientTokenId", "UnrecognizedClientException"}
-_MISSING = {"NoSuchKey", "404", "NotFound"}
-_WRONG_REGION = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"}
-_BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable", "InternalError",
-         "RequestLimitExceeded", "TooManyRequests", "503", "500", "502", "504"}
-# Query parameters of presigned URLs, and anything that looks like an AWS access key id.
-_SECRET_PATTERNS = re.compile(r"(X-Amz-(Credential|Signature|Security-Token)=[^&\s\"']*)|\b(AKIA|ASIA)[A-Z0-9]{12,}\b",
-                              re.IGNORECASE)
-
-
-class S3Store(Store):
-    """A store in an S3 bucket (or an S3-compatible one: MinIO, R2...) under an optional key prefix.
-
-    Credentials, region and endpoint come from the standard AWS configuration (environment, profile, config
-    file, instance role; AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for other endpoints): nothing is passed here.
-    """
-
-    def __init__(self, uri: str, *, client: Any = None, transfer_config: Any = None) -> None:
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError
-
-        parsed = urlparse(uri)
-        if parsed.scheme != "s3":
-            raise StoreError(f"{uri!r} is not an s3:// URI; write s3://BUCKET/PREFIX")
-        self.bucket = parsed.netloc
-        if "@" in uri or ":" in self.bucket:
-            # The URI may hold a secret (s3://KEY:SECRET@bucket): do not repeat any of it.
-            raise StoreError("an s3:// URI takes no credentials; write s3://BUCKET/PREFIX and configure credentials "
-                             "through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
-        if not self.bucket:
-            raise StoreError(f"{uri!r} names no bucket; write s3://BUCKET/PREFIX")
-        if not BUCKET_NAME.match(self.bucket):
-            raise StoreError(f"{self.bucket[:70]!r} is not a bucket name (letters, digits, '.' and '-')")
-        self.prefix = parsed.path.strip("/")
-        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        try:
-            self._session = boto3.session.Session()
-            configured = self._session._session.get_config_variable  # AWS_RETRY_MODE, AWS_MAX_ATTEMPTS, profile
-            retries = {"mode": configured("retry_mode") or "standard",
-                       "total_max_attempts": configured("max_attempts") or MAX_ATTEMPTS}
-            self.client = client or self._session.client("s3", config=Config(
-                retries=retries,
-                max_pool_connections=64,  # parallel ranged GETs and multipart uploads share this client
-                connect_timeout=5,
-                read_timeout=60,
-            ))
-        except (BotoCoreError, ValueError) as e:
-            raise StoreError(f"cannot set up S3 access for {self.uri}: {self._redact(str(e))}") from None
-        self.transfer_config = transfer_config or TransferConfig(
-            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=8)
-
-    @property
-    def endpoint(self) -> str:
-        """The endpoint URL, without any user info or query."""
-        url = urlparse(str(self.client.meta.endpoint_url))
-        return f"{url.scheme}://{url.hostname}" + (f":{url.port}" if url.port else "")
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _size(self, key: str) -> int | None:
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-        except Exception as e:
-            error = self._error(e, key)
-            if isinstance(error, NotFound) and not isinstance(error, NoSuchBucket):
-                return None
-            raise error from None
-        return int(head["ContentLength"])
-
-    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None) -> None:
-        try:
-            self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer_config,
-                                    Callback=on_bytes)
-        except Exception as e:
-            # boto3 wraps client errors of uploads in S3UploadFailedError; the original is its context.
-            cause = e.__cause__ or e.__context__
-            raise self._error(cause if type(e).__name__ == "S3UploadFailedError" and cause else e, key) from None
-
-    def _put_bytes(self, key: str, data: bytes) -> None:
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
-        except Exception as e:
-            raise self._error(e, key) from None
-
-    def _get_bytes(self, key: str, what: str) -> bytes:
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return bytes(response["Body"].read())
-        except Exception as e:
-            raise self._error(e, what) from None
-
-    def _stream(self, key: str, start: int, end: int, what: str) -> Iterator[bytes]:
-        if end == start:
-            return
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}")
-        except Exception as e:
-            error = self._error(e, what)
-            if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":
-                return  # the range starts past the stored object's end: it is shorter than asked
-            raise error from None
-        body = response["Body"]
-        if int(response.get("ContentLength", 0)) > end - start:
-            body.close()
-            raise StoreError(f"{self.endpoint} ignored the byte range asked for {what}; "
-                             "the endpoint must support ranged GETs")
-        try:
-            # botocore checks the received length against Content-Length: a cut body raises, never ends quietly.
-            yield from body.iter_chunks(1 << 20)
-        except Exception as e:
-            error = self._error(e, what)
-            if type(error) is StoreUnreachable:
-                raise TransferInterrupted(str(error)) from None
-            raise error from None
-        finally:
-            body.close()
-
-    def _list(self, prefix: str) -> Iterator[tuple[str, int, float]]:
-        full = self._key(prefix)
-        try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
-                for obj in page.get("Contents", []):
-                    name = obj["Key"][len(full):]
-                    if name and "/" not in name:
-                        yield name, int(obj["Size"]), obj["LastModified"].timestamp()
-        except Exception as e:
-            raise self._error(e, f"the listing of {prefix.rstrip('/')}") from None
-
-    def _delete(self, key: str) -> None:
-        try:
-            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
-        except Exception as e:
-            raise self._error(e, key) from None
-
-    def _error(self, e: BaseException, what: str) -> StoreError:
-        """One clear StoreError for whatever boto3 raised; never the raw message (it might carry secrets)."""
-        from botocore import exceptions as bx
-
-        if isinstance(e, StoreError):
-            return e
-        if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError | bx.CredentialRetrievalError):
-            return AccessDenied(f"no usable AWS credentials for {self.uri}; set AWS_ACCESS_KEY_ID and "
-                                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an instance role is available")
-        if isinstance(e, bx.EndpointConnectionError | bx.ConnectTimeoutError | bx.ProxyConnectionError):
-            return StoreUnreachable(f"cannot reach the S3 endpoint {self.endpoint} for {self.uri}; check the network "
-                                    "and AWS_ENDPOINT_URL")
-        if isinstance(e, bx.ConnectionError | bx.HTTPClientError | bx.IncompleteReadError | ConnectionError):
-            return StoreUnreachable(f"the connection to {self.endpoint} failed while reading {what} from {self.uri} "
-                                    f"({type(e).__name__}); try again")
-        if isinstance(e, bx.ParamValidationError):
-            return StoreError(f"{self.uri} is not a valid S3 location (check the bucket name)")
-        if isinstance(e, bx.ClientError):
-            return self._client_error(e, what)
-        if isinstance(e, bx.BotoCoreError):
-            return StoreError(f"S3 request for {what} in {self.uri} failed: {self._redact(str(e))}")
-        return StoreError(f"S3 request for {what} in {self.uri} failed ({type(e).__name__})")
-
-    def _client_error(self, e: Any, what: str) -> StoreError:
-        code = str(e.response.get("Error", {}).get("Code", ""))
-        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        if code == "NoSuchBucket":
-            return NoSuchBucket(f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
-                                "create it or fix the store URI")
-        if code in _MISSING or status == 404:
-            return NotFound(f"{what} not found in {self.uri}")
-        if code in _BAD_CREDENTIALS:
-            return AccessDenied(f"{self.endpoint} rejected the AWS credentials ({code}); check AWS_ACCESS_KEY_ID and "
-                                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
-        if code in _ACCESS_DENIED or status == 403:
-            return AccessDenied(f"access to {what} in {self.uri} was denied ({code or status}); the credentials need "
-                                "s3:GetObject, s3:PutObject, s3:ListBucket and s3:DeleteObject on that bucket")
-        if code in _WRONG_REGION or status == 301:
-            return StoreError(f"bucket {self.bucket!r} is in another region than the configured one ({code}); "
-                              "set AWS_REGION to the bucket's region")
-        if code in _BUSY or status >= 500:
-            return StoreUnreachable(f"{self.endpoint} kept failing ({code or status}) for {what} in {self.uri} "
-                                    "after retries; try again later")
-        return StoreError(f"S3 refused {what} in {self.uri} ({code or 'HTTP'} {status})")
-
-    def _redact(self, text: str) -> str:
-        """``text`` with the current credentials and anything shaped like a key or a presigned URL removed."""
-        with suppress(Exception):
-            creds = self._session.get_credentials()
-            if creds is not None:
-                frozen = creds.get_frozen_credentials()
-                for secret in (frozen.access_key, frozen.secret_key, frozen.token):
-                    if secret:
-                        text = text.replace(secret, "***")
-        return _SECRET_PATTERNS.sub("***", text)

@@ -10,8 +10,9 @@ from typing import Any
 from handlers.coldstart import Timeline
 from handlers.state import Limits, ServeState, load_snapshot
 from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
-from snapshot.cache import BlobCache, push_snapshot
+from snapshot.cache import BlobCache
 from snapshot.store import open_store
+from snapshot.transfer import push_snapshot
 
 REF = "tiny"
 SYSTEM_TEXT = "You are a terse assistant. Answer in one short sentence, and never apologise for anything. " * 3

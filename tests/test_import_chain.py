@@ -13,7 +13,9 @@ def imported_after(statement: str) -> set[str]:
 
 
 def test_store_and_cache_import_without_torch() -> None:
-    modules = imported_after("import snapshot, snapshot.store, snapshot.cache, snapshot.format")
+    modules = imported_after("import snapshot, snapshot.errors, snapshot.files, snapshot.format, snapshot.store, "
+                             "snapshot.s3, snapshot.cache, snapshot.progress, snapshot.transfer, snapshot.refs, "
+                             "snapshot.gc")
     assert "torch" not in modules
 
 

@@ -22,28 +22,16 @@ import pytest
 from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
-import snapshot.cache as cache_module
-from snapshot.cache import (
-    BlobCache,
-    Progress,
-    gc,
-    pull_blobs,
-    pull_snapshot,
-    push_blobs,
-    push_snapshot,
-    resolve_ref,
-)
+import snapshot.transfer as transfer_module
+from snapshot.cache import BlobCache
+from snapshot.errors import CorruptBlob, NotFound, StoreError, StoreUnreachable, TransferInterrupted
 from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id, file_blob_id
-from snapshot.store import (
-    CorruptBlob,
-    LocalStore,
-    NotFound,
-    S3Store,
-    Store,
-    StoreError,
-    StoreUnreachable,
-    TransferInterrupted,
-)
+from snapshot.gc import gc
+from snapshot.progress import Progress
+from snapshot.refs import resolve_ref
+from snapshot.s3 import S3Store
+from snapshot.store import LocalStore, Store
+from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 PART = 64 << 10
@@ -60,7 +48,7 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(cache_module, "BACKOFF_SECONDS", 0.001)
+    monkeypatch.setattr(transfer_module, "BACKOFF_SECONDS", 0.001)
 
 
 class Built:
@@ -327,8 +315,9 @@ def test_threads_pulling_at_once_download_each_blob_once(tmp_path: Path) -> None
 
 PULL_WORKER = """
 import os, sys, time
-from snapshot.cache import BlobCache, pull_snapshot
+from snapshot.cache import BlobCache
 from snapshot.store import LocalStore
+from snapshot.transfer import pull_snapshot
 
 store_dir, cache_dir, snapshot_id, log_path, go = sys.argv[1:]
 
@@ -422,8 +411,8 @@ def test_push_refuses_inconsistent_input(tmp_path: Path) -> None:
 PUSH_AND_DIE = """
 import sys, time
 from pathlib import Path
-from snapshot.cache import push_snapshot
 from snapshot.store import LocalStore
+from snapshot.transfer import push_snapshot
 
 store_dir, build_dir, manifest_path, marker = sys.argv[1:]
 

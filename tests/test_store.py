@@ -25,20 +25,18 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 import snapshot.store as store_module
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
-from snapshot.store import (
+from snapshot.errors import (
     AccessDenied,
     CorruptBlob,
-    LocalStore,
     NoSuchBucket,
     NotFound,
-    S3Store,
-    Store,
     StoreError,
     StoreUnreachable,
     TransferInterrupted,
-    open_store,
 )
+from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
+from snapshot.s3 import S3Store
+from snapshot.store import LocalStore, Store, open_store
 
 ACCESS_KEY = "AKIAFAKEKEYFORTEST01"
 SECRET_KEY = "fake/secret+Key0123456789-never-print"

@@ -1,0 +1,50 @@
+"""Deleting the blobs of a store that no snapshot references."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from snapshot.errors import StoreError
+from snapshot.format import FormatError, Manifest
+from snapshot.store import Store
+
+
+@dataclass(frozen=True)
+class GcReport:
+    blobs_deleted: int  # or that would be deleted, in a dry run
+    bytes_freed: int
+    kept: int  # blobs left: referenced, or unreferenced but younger than the grace period
+    kept_in_grace: int  # the unreferenced ones among them
+
+
+def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600) -> GcReport:
+    """Delete the store's blobs that no manifest references.
+
+    A push uploads its blobs before its manifest, so while a push is in flight its new blobs are referenced
+    by nothing yet: blobs younger than ``grace_seconds`` are kept for that reason. A push that reuses an old
+    unreferenced blob (left by a crashed push) can still lose it to a gc running at the same moment; do not
+    gc while pushing with a grace period shorter than pushes take.
+    """
+    blobs = list(store.list_blobs())  # before the manifests: a manifest written meanwhile is then seen
+    referenced: set[str] = set()
+    for snapshot_id in store.list_snapshots():
+        raw = store.get_manifest(snapshot_id)
+        try:
+            referenced |= Manifest.decode(raw, where=f"snapshot {snapshot_id}").blob_ids()
+        except (FormatError, KeyError, TypeError) as e:
+            raise StoreError(f"gc stopped, deleting nothing: the manifest of snapshot {snapshot_id} in {store.uri} "
+                             f"cannot be read ({e}), so the blobs it needs are unknown") from None
+    now = time.time()
+    deleted = freed = in_grace = 0
+    for blob, size, modified in blobs:
+        if blob in referenced:
+            continue
+        if now - modified < grace_seconds:
+            in_grace += 1
+            continue
+        if not dry_run:
+            store.delete_blob(blob)
+        deleted += 1
+        freed += size
+    return GcReport(deleted, freed, len(blobs) - deleted, in_grace)
