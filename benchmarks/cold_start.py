@@ -82,12 +82,17 @@ def first_token(cmd: list[str], env: dict[str, str], port: int, system: str, tim
                 result["timeline"] = status.json().get("phases")
             return result
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (the server drains and exits), then SIGKILL if it has not gone within ``timeout``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def floor_seconds() -> float:

@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cold_start import free_port  # noqa: E402
+from benchmarks.cold_start import free_port, stop  # noqa: E402
 from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
 from benchmarks.throughput import pct  # noqa: E402
 from benchmarks.workloads import REPO, SHARED_BENCH, Request, load_workload  # noqa: E402
@@ -97,11 +97,7 @@ def run_server(cmd: list[str], env: dict[str, str], port: int, requests: list[Re
         cold_start = time.perf_counter() - start
         results, wall = asyncio.run(replay(base, requests, concurrency, stream))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     ok = [r for r in results if "error" not in r]
     gaps = [g for r in ok for g in r["gaps"]]
     prompt = sum(len(r.prompt_token_ids) for r in requests)

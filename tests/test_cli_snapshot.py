@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,17 +67,6 @@ def test_user_errors_are_one_sentence(tiny_model_dir, env: dict[str, str], args:
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert message in proc.stderr and proc.stderr.startswith("warmstart: error:")
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def test_build_to_s3_then_load_from_a_cold_cache(tiny_model_dir, tmp_path: Path, env: dict[str, str],

@@ -20,7 +20,6 @@ from pathlib import Path
 import boto3
 import pytest
 from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 import snapshot.transfer as transfer_module
 from snapshot.cache import BlobCache
@@ -561,15 +560,6 @@ def test_bad_manifests_and_arguments_are_refused(tmp_path: Path) -> None:
 
 
 # End to end over HTTP -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def test_end_to_end_against_a_moto_server(moto_endpoint: str, tmp_path: Path,
