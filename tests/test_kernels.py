@@ -1,0 +1,108 @@
+"""Each Triton kernel against its PyTorch reference over odd shapes.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter. Triton picks interpreter or
+compiler when a function is decorated, so TRITON_INTERPRET=1 must be set before triton is first imported
+(triton.language decorates its own helpers then); no other test imports triton. On a CUDA machine the same
+tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Before triton's first import: triton.language's own helpers (tl.sum...) are decorated then.
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from runtime.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from runtime.kernels.rmsnorm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from runtime.model import rms_norm as model_rms_norm  # noqa: E402
+from tests.test_import_chain import imported_after  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = not torch.cuda.is_available()
+EPS = 1e-6
+# (atol, rtol). The interpreter casts float32 to bfloat16 by truncation where the GPU and torch round to
+# nearest, so each rounding inside a kernel may land one bfloat16 ulp (2^-7 relative at worst) below torch's;
+# silu-and-mul and rms_norm round twice.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2)}
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    atol, rtol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("hidden", [64, 80, 576, 1000])
+def test_rms_norm_matches_reference(hidden: int, rows: int, dtype: torch.dtype) -> None:
+    x = randn(rows, hidden, dtype=dtype, seed=hidden + rows) * 3
+    weight = randn(hidden, dtype=dtype, seed=1)
+    assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("hidden", [64, 80, 576, 1000])
+def test_fused_add_rms_norm_matches_reference(hidden: int, rows: int, dtype: torch.dtype) -> None:
+    x = randn(rows, hidden, dtype=dtype, seed=hidden + rows)
+    residual = randn(rows, hidden, dtype=dtype, seed=hidden * rows) * 4
+    weight = randn(hidden, dtype=dtype, seed=2)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, summed = fused_add_rms_norm(x, residual, weight, EPS)
+    expected_out, expected_summed = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    # One rounding of the add on both sides: equal when compiled, within one ulp under the interpreter.
+    ulp = 2.0**-7 if INTERPRETED and dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(summed, expected_summed, atol=0, rtol=ulp)
+    assert_close(out, expected_out)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_rms_norm_over_heads_normalizes_each_head() -> None:
+    """QK norm's shape: [N, heads, head_dim] with one weight of head_dim."""
+    x = randn(5, 7, 80, dtype=torch.float32, seed=3)
+    weight = randn(80, dtype=torch.float32, seed=4)
+    assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_reference_is_the_models_arithmetic(dtype: torch.dtype) -> None:
+    x = randn(7, 80, dtype=dtype, seed=5)
+    weight = randn(80, dtype=dtype, seed=6)
+    assert torch.equal(rms_norm_reference(x, weight, EPS), model_rms_norm(x, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("inter", [64, 80, 576, 1000])
+def test_silu_and_mul_matches_reference(inter: int, rows: int, dtype: torch.dtype) -> None:
+    x = randn(rows, 2 * inter, dtype=dtype, seed=inter + rows) * 3
+    assert_close(silu_and_mul(x), silu_and_mul_reference(x))
+
+
+def test_silu_and_mul_rejects_odd_width() -> None:
+    with pytest.raises(ValueError, match="must be even"):
+        silu_and_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+def test_runtime_imports_neither_triton_nor_the_kernels() -> None:
+    modules = imported_after("import runtime, runtime.model, runtime.engine")
+    assert "triton" not in modules and "runtime.kernels" not in modules
