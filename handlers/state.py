@@ -83,7 +83,6 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
     try:
         from runtime.async_engine import AsyncLLM
         from snapshot.cache import BlobCache
-        from snapshot.format import Manifest
         from snapshot.loader import load_with_report
 
         timeline.mark("runtime_imports")
@@ -98,9 +97,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
                 details = {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
                            "blobs_total": report.blobs_total}
             timeline.mark(phase, at=started + report.phases[phase], **details)
-        raw = blob_cache.get_manifest(report.snapshot_id)
-        assert raw is not None, "a loaded snapshot's manifest is in the cache"
-        manifest = Manifest.decode(raw).data
+        assert report.manifest is not None  # load_with_report always sets it
+        manifest = report.manifest.data
         engine = llm.engine
         model = ServedModel(
             name=state.model_name,

@@ -64,14 +64,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"{model_dir} has no config.json: expected an HF model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(model_dir), source=str(Path(model_dir) / "config.json"))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -139,6 +132,20 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """An HF model directory's config.json as a dict, or a ModelConfigError saying what is wrong."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{model_dir} has no config.json: expected an HF model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path} must hold a JSON object")
+    return raw
 
 
 def _sliding_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:

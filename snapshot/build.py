@@ -8,7 +8,6 @@ the same snapshot id.
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 import runtime
-from runtime.config import ModelConfig
+from runtime.config import ModelConfig, ModelConfigError, read_config_json
 from runtime.engine import DTYPES, EngineOptions, LLMEngine
 from runtime.model import Model
 from runtime.quant import SCHEMES, quantize_model
@@ -143,18 +142,12 @@ def build_snapshot(
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise BuildError(f"{model_dir} is not a directory; give an HF model directory")
-    if not path.is_file():
-        raise BuildError(f"{model_dir} has no config.json; give an HF model directory")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise BuildError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise BuildError(f"{path} must hold a JSON object")
-    return raw
+        return read_config_json(model_dir)
+    except ModelConfigError as e:
+        raise BuildError(str(e)) from None
 
 
 class _BlobWriter:

@@ -42,6 +42,7 @@ class LoadReport:
     blobs_downloaded: int = 0
     blobs_total: int = 0
     prefixes: list[dict[str, Any]] = field(default_factory=list)
+    manifest: Manifest | None = None
 
 
 def load(
@@ -66,7 +67,10 @@ def load_with_report(
     start = time.monotonic()
     blob_cache = cache if isinstance(cache, BlobCache) else BlobCache(Path(cache) if cache else None)
     raw = blob_cache.get_manifest(ref) if is_id(ref) else None
-    if raw is not None and all(blob_cache.has(b) for b in Manifest.decode(raw).blob_ids()):
+    cached = Manifest.decode(raw, where=f"cached snapshot {ref}") if raw is not None else None
+    manifest = None
+    if raw is not None and cached is not None and all(blob_cache.has(b) for b in cached.blob_ids()):
+        manifest = cached
         report = LoadReport(ref)  # everything is cached: a cold start needs no store at all
         report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
     else:
@@ -80,7 +84,8 @@ def load_with_report(
     if blob_id(raw) != report.snapshot_id:
         raise SnapshotError(f"snapshot {report.snapshot_id}: its manifest does not match its id (corrupt store or "
                             "cache); delete the cached manifest and pull again")
-    manifest = Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
+    manifest = manifest or Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
+    report.manifest = manifest
     report.blobs_total = len(manifest.blob_ids())
 
     def mark(phase: str) -> None:
@@ -112,8 +117,8 @@ def engine_from_manifest(
             files["tokenizer.json"], files.get("tokenizer_config.json"), files.get("chat_template.jinja")
         )
     mark("mapped")
-    engine = LLMEngine.from_weights(config, weights, tokenizer, options)
     _check_fingerprint(m, sid)
+    engine = LLMEngine.from_weights(config, weights, tokenizer, options)
     for p in m["prefixes"]:
         if p["blob"] is not None:
             engine.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p))
