@@ -11,8 +11,8 @@ from runtime.scheduler import ScheduledBatch
 from runtime.sequence import Sequence, TokenLogprobs
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work: a group costs a few ops per
-# layer. Measured on a 40-sequence decode step with prompts of 8-1024 tokens (SmolLM2-135M, bf16, 2 cores):
-# one group 481 ms, split at 32 / 64 / 128 blocks 280 / 260 / 227 ms.
+# layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
+# one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
 
 

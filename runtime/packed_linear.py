@@ -1,8 +1,8 @@
 """bfloat16 linear layers on oneDNN's prepacked weight layout: the CPU path's matmuls.
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it reorders into its blocked layout on every call.
-Reordering once when the engine starts measured 1.1-3.6x faster per matmul at 1-256 rows with SmolLM2-135M's
-shapes (bf16, 2 AVX-512 cores; the LM head gains most, being the widest), with bit-identical results, for
+Reordering once when the engine starts measured 1.05-2.4x faster per matmul at 1-256 rows with SmolLM2-135M's
+shapes (benchmarks/packed_linear.py; bf16, 2 AVX-512 cores; most at few rows), with bit-identical results, for
 about 100 ms of reordering for SmolLM2-135M, done in the background after start. float32 keeps ``F.linear``,
 whose arithmetic the transformers comparison pins down, and quantized weights keep their own kernels.
 """
