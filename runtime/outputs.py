@@ -20,6 +20,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     timestamps: Timestamps | None = None
+    adapter: str | None = None  # the adapter that served the request
 
 
 @dataclass
