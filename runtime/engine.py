@@ -155,13 +155,17 @@ class LLMEngine:
         if name is None:
             return None
         if name == "auto":
-            if self.adapter_selector is None:
-                raise ValueError("adapter 'auto' needs a selector; build the snapshot with --adapter-examples")
-            name = self.adapter_selector.select(token_ids, self.runner.model.weights.embed)
+            name = self.select_adapter(token_ids)
         if name not in self.adapters:
             known = ", ".join(sorted(self.adapters)) or "none"
             raise ValueError(f"unknown adapter {str(name)[:100]!r}; this engine's adapters: {known}")
         return self.adapters[name]
+
+    def select_adapter(self, token_ids: list[int]) -> str:
+        """The selector's adapter for a query's tokens (see runtime.adapters.AdapterSelector)."""
+        if self.adapter_selector is None:
+            raise ValueError("adapter 'auto' needs a selector; build the snapshot with --adapter-examples")
+        return self.adapter_selector.select(token_ids, self.runner.model.weights.embed)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

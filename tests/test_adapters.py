@@ -1,19 +1,16 @@
-"""PEFT adapters compiled at build time: greedy outputs equal peft's, mixed batches equal solo runs, LoRA
-merged as peft merges it, the "auto" selector routes as the build measured, bad adapters refused clearly.
-
-peft is the reference. With transformers 5, ``PeftModel.generate`` drops the adapter after the first token
-(and ignores prefix tuning), while the plain forward pass applies it; so the reference decodes greedily by
-repeated forward passes of the PeftModel over the whole sequence.
-"""
+"""PEFT adapters compiled at build time, in the engine: greedy outputs equal peft's (tests/peft_reference.py)
+for every adapter type and family, mixed batches equal solo runs, prefix hits and preemption keep the adapter,
+LoRA merged as peft merges it, padding waste reported, bad adapters refused clearly. Serving them over HTTP
+and the "auto" selector: tests/test_adapters_serve.py."""
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from pathlib import Path
 from typing import Any
 
+import peft
 import pytest
 import torch
 
@@ -26,8 +23,7 @@ from snapshot.loader import load_with_report
 from snapshot.store import open_store
 from snapshot.transfer import push_snapshot
 from tests.model_configs import FAMILIES
-
-peft = pytest.importorskip("peft")
+from tests.peft_reference import _hf, assert_matches_peft, make_adapter
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # name -> (peft config kind, options); virtual-token counts chosen to end inside a block of 16 (and one not)
@@ -40,51 +36,6 @@ ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
     "prefix-proj": ("PrefixTuningConfig", {"num_virtual_tokens": 21, "prefix_projection": True,
                                            "encoder_hidden_size": 32}),
 }
-
-
-def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def make_adapter(model_dir: Path, out: Path, kind: str, seed: int, **options: Any) -> Path:
-    """Save a PEFT adapter with random parameters large enough to change the output."""
-    torch.manual_seed(seed)
-    config = getattr(peft, kind)(task_type="CAUSAL_LM", **options)
-    model = peft.get_peft_model(_hf(model_dir), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad and "lora_B" in name:
-                p.normal_(0, 0.05)
-            elif p.requires_grad and ("prompt_encoder" in name or "embedding" in name):
-                p.mul_(2.0 if "PrefixTuning" in kind else 1.0)
-    model.save_pretrained(out)
-    return out
-
-
-@functools.cache
-def _peft_model(model_dir: Path, adapter_dir: Path):  # type: ignore[no-untyped-def]
-    return peft.PeftModel.from_pretrained(_hf(model_dir), adapter_dir).eval()
-
-
-def peft_logits(model_dir: Path, adapter_dir: Path, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return _peft_model(model_dir, adapter_dir)(input_ids=torch.tensor([token_ids])).logits[0, -1]
-
-
-def assert_matches_peft(model_dir: Path, adapter_dir: Path, prompt: list[int], ours: list[int]) -> None:
-    """Greedy by repeated forward passes of the PeftModel; a difference is allowed only at a near-tie."""
-    seq = list(prompt)
-    for i, token in enumerate(ours):
-        logits = peft_logits(model_dir, adapter_dir, seq)
-        ref = int(logits.argmax())
-        if token != ref:
-            top = logits.topk(2).values
-            gap = float(top[0] - top[1])
-            assert gap < 1e-3, f"token {i}: ours {token}, peft {ref}, top-2 gap {gap:.2e} (not a near-tie)"
-            return
-        seq.append(token)
 
 
 @pytest.fixture(scope="module")
