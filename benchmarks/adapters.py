@@ -168,15 +168,16 @@ def main() -> None:
     print(f"{args.requests} requests of {args.prompt_tokens} prompt tokens, {args.max_tokens} generated each, "
           f"{args.config.stem} (random bf16), medians of {args.rounds} rounds")
     print(f"  warmstart, 8 adapters mixed in one batch: {med['mixed']:8.1f} tok/s")
-    print(f"  warmstart, one adapter for all:           {med['one']:8.1f} tok/s   mixed/one = {med['mixed'] / med['one']:.3f}"
-          " (goal >= 0.90)")
+    print(f"  warmstart, one adapter for all:           {med['one']:8.1f} tok/s   "
+          f"mixed/one = {med['mixed'] / med['one']:.3f} (goal >= 0.90)")
     print(f"  warmstart, no adapter:                    {med['none']:8.1f} tok/s")
     if peft_rate:
         print(f"  peft, one adapter at a time:              {peft_rate:8.1f} tok/s   "
               f"warmstart mixed / peft = {med['mixed'] / peft_rate:.2f}x (a lower bound, see the docstring)")
-    print(f"  time to first token ({args.prompt_tokens}-token prompt): no adapter {result['ttft_base_s'] * 1e3:.1f} ms, "
-          f"behind an adapter {result['ttft_adapter_s'] * 1e3:.1f} ms, ratio {result['ttft_adapter_over_base']:.3f}"
-          " (goal <= 1.10)")
+    print(f"  time to first token ({args.prompt_tokens}-token prompt): "
+          f"no adapter {result['ttft_base_s'] * 1e3:.1f} ms, "
+          f"behind an adapter {result['ttft_adapter_s'] * 1e3:.1f} ms, "
+          f"ratio {result['ttft_adapter_over_base']:.3f} (goal <= 1.10)")
 
 
 if __name__ == "__main__":

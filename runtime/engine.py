@@ -332,6 +332,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            num_adapters=len(self.adapters),
+            running_adapters=sorted({s.adapter for s in self.scheduler.running if s.adapter is not None}),
+            waiting_adapters=sorted({s.adapter for s in self.scheduler.waiting if s.adapter is not None}),
         )
 
     def _blocks_from_memory(self) -> int:

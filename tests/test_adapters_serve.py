@@ -15,6 +15,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from handlers.app import create_app
+from handlers.coldstart import Timeline
+from handlers.metrics import Metrics
 from handlers.openai_protocol import APIError, ServedModel, parse_completion
 from handlers.state import ServeState
 from runtime import LLM, SamplingParams
@@ -106,6 +108,20 @@ def test_a_request_names_its_adapter(client: TestClient, reference: LLM, how: st
     assert body["adapter"] == "finance" and body["model"] == "tiny:finance"
     assert body["choices"][0]["text"] == want.text != base.text
     assert body["usage"]["prompt_tokens"] == len(prompt)  # the virtual tokens are not the user's
+
+
+def test_metrics_show_the_adapters_in_use(reference: LLM) -> None:
+    engine = reference.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="m1", adapter="travel")
+    engine.add_request([5, 6, 8], SamplingParams(max_tokens=2), request_id="m2", adapter="cooking")
+    try:
+        text = Metrics("tiny", Timeline()).render(engine.stats()).decode()
+    finally:
+        engine.abort("m1")
+        engine.abort("m2")
+    line = next(x for x in text.splitlines() if x.startswith("warmstart:lora_requests_info{"))
+    assert 'max_lora="3"' in line and 'waiting_lora_adapters="cooking,travel"' in line
+    assert 'running_lora_adapters=""' in line
 
 
 def test_the_adapter_field_streams_and_chats(client: TestClient) -> None:
