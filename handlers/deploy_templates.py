@@ -23,6 +23,7 @@ PORT = 8080
 TORCH_REQUIREMENT = "torch==2.13.0"  # the build the tests run against (Makefile's TORCH); CUDA wheels on Linux
 RUNPOD_REQUIREMENT = "runpod>=1.7"
 CLOUD_RUN_GPUS = ("nvidia-l4", "nvidia-rtx-pro-6000")
+SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the checkout, when run from one (else site-packages)
 NAME = re.compile(r"^[a-z]([-a-z0-9]{0,47}[a-z0-9])?$")  # DNS-1035 label, short enough for every platform
 
 
@@ -123,11 +124,12 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
     """Everything the templates use, the snapshot resolved (and pinned) through the store."""
     from urllib.parse import urlparse
 
-    from handlers.snapshot_commands import user_errors
+    from snapshot.errors import StoreError
+    from snapshot.format import FormatError
     from snapshot.refs import resolve_ref
     from snapshot.store import open_store
 
-    with user_errors():
+    try:  # not snapshot_commands.user_errors: that imports the runtime (torch), which rendering has no use for
         store = open_store(store_uri)
         parsed = urlparse(store.uri)
         s3 = parsed.scheme == "s3"
@@ -135,6 +137,8 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
             raise CliError(f"{args.platform} instances cannot read the local store {store.uri}; push the snapshot to "
                            "an s3://BUCKET/PREFIX store (warmstart build --store s3://...) and pass that as --store")
         snapshot_id = resolve_ref(store, args.snapshot)
+    except (StoreError, FormatError) as e:
+        raise CliError(str(e)) from None
     gpu = args.gpu or platform.default_gpu
     if args.platform == "cloudrun" and gpu not in CLOUD_RUN_GPUS:
         raise CliError(f"--gpu {gpu!r} is not a Cloud Run GPU; expected one of: {', '.join(CLOUD_RUN_GPUS)}")
@@ -203,13 +207,19 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
 
 
 def requirements() -> list[str]:
-    """warmstart's own runtime dependencies (for images built without its source, such as Modal's)."""
-    try:
-        reqs = metadata.requires("warmstart") or []
-    except metadata.PackageNotFoundError:
-        reqs = []
-    runtime_reqs = [r.split(";")[0].strip() for r in reqs if "extra ==" not in r]
-    return [TORCH_REQUIREMENT if r.startswith("torch") else r for r in runtime_reqs] or [TORCH_REQUIREMENT]
+    """warmstart's own runtime dependencies, for images built without its source (Modal's): from the source
+    tree's pyproject.toml, else from the installed distribution's metadata."""
+    pyproject = SOURCE_ROOT / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        reqs = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    else:
+        try:
+            reqs = [r.split(";")[0].strip() for r in metadata.requires("warmstart") or [] if "extra ==" not in r]
+        except metadata.PackageNotFoundError:
+            reqs = []
+    return [TORCH_REQUIREMENT if r.startswith("torch") else r for r in reqs] or [TORCH_REQUIREMENT]
 
 
 def render(platform: str, values: dict[str, Any], out: Path) -> list[Path]:
@@ -233,7 +243,7 @@ def render(platform: str, values: dict[str, Any], out: Path) -> list[Path]:
 
 def templates_dir() -> Path:
     """The templates: the source tree's `templates/` next to this package, else the installed data files."""
-    here = Path(__file__).resolve().parent.parent / "templates"
+    here = SOURCE_ROOT / "templates"
     if (here / "docker" / "Dockerfile.j2").is_file():
         return here
     try:

@@ -313,6 +313,7 @@ def test_the_modal_app_imports_with_modal(rendered: dict[str, Path], s3_env: dic
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"app": "warmstart", "classes": ["Warmstart"]}
     text = (rendered["modal"] / "modal_app.py").read_text()
     assert "enable_memory_snapshot=True" in text and 'gpu="L4"' in text
+    assert '"torch==2.13.0"' in text and '"safetensors"' in text  # warmstart's dependencies go into the image
 
 
 def test_modal_rejects_a_broken_app(rendered: dict[str, Path], s3_env: dict[str, str], tmp_path: Path) -> None:
@@ -378,12 +379,18 @@ def test_sagemaker_ping_and_invocations(tiny_model_dir, tmp_path: Path) -> None:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """warmstart installed from a wheel (not editable) under a private prefix; yields its site-packages."""
     work = tmp_path_factory.mktemp("wheel")
+    source = work / "source"  # a copy, so that the build leaves nothing in the checkout
+    for name in ("runtime", "snapshot", "handlers", "templates"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     wheel = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", work / "dist",
-                ROOT, timeout=600)
+                source, timeout=600)
     assert wheel.returncode == 0, wheel.stderr
     (whl,) = (work / "dist").glob("warmstart-*.whl")
     prefix = work / "prefix"
-    install = run(sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--prefix", prefix, whl)
+    install = run(sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q",
+                  "--prefix", prefix, whl)
     assert install.returncode == 0, install.stderr
     (site,) = prefix.glob("lib/python*/site-packages")
     yield site
