@@ -65,6 +65,9 @@ PLATFORMS: dict[str, Platform] = {
 }
 
 
+IMAGE_PLATFORMS = [name for name, p in PLATFORMS.items() if IMAGE_FILES[0] in p.files]
+
+
 def add_command(sub: Any) -> None:
     p = sub.add_parser("template", help="render deployment files for a platform, the snapshot pinned by id",
                        description=f"Platforms: {', '.join(PLATFORMS)}.")
@@ -83,6 +86,8 @@ def add_command(sub: Any) -> None:
     p.add_argument("--concurrency", type=positive_int, default=64,
                    help="requests one instance runs at once: the engine's --max-num-seqs and the platform's "
                         "container concurrency (default 64)")
+    p.add_argument("--bake", action="store_true",
+                   help="image platforms: pull the snapshot into the image at build time instead of at cold start")
     p.add_argument("--keep-ref", action="store_true",
                    help="deploy the ref name itself (it moves with the ref) instead of pinning the id it names now")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -136,6 +141,9 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         if platform.needs_s3 and not s3:
             raise CliError(f"{args.platform} instances cannot read the local store {store.uri}; push the snapshot to "
                            "an s3://BUCKET/PREFIX store (warmstart build --store s3://...) and pass that as --store")
+        if args.bake and not s3:
+            raise CliError(f"--bake pulls the snapshot while the image builds, which cannot read the local store "
+                           f"{store.uri}; push the snapshot to an s3://BUCKET/PREFIX store and pass that as --store")
         snapshot_id = resolve_ref(store, args.snapshot)
     except (StoreError, FormatError) as e:
         raise CliError(str(e)) from None
@@ -147,6 +155,9 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
                        "ml.g6.xlarge or ml.p4d.24xlarge")
     if args.min_instances > args.max_instances:
         raise CliError(f"--min-instances {args.min_instances} is more than --max-instances {args.max_instances}")
+    if args.bake and IMAGE_FILES[0] not in platform.files:
+        raise CliError(f"--bake is for platforms that run warmstart's serving image ({', '.join(IMAGE_PLATFORMS)}); "
+                       f"not {args.platform}")
     snapshot = args.snapshot.strip() if args.keep_ref else snapshot_id
     prefix = parsed.path.strip("/")
     cache_dir = "/cache"
@@ -166,6 +177,7 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         "store_env": {"AWS_ENDPOINT_URL": endpoint} if endpoint else {},
         "bucket": parsed.netloc,
         "prefix": f"{prefix}/" if prefix else "",
+        "bake": args.bake,
         "create_bucket": "false",  # rendering just read the snapshot from this bucket, so it exists
         "gpu": gpu,
         "min_instances": args.min_instances,
