@@ -20,6 +20,7 @@ from typing import Any
 from handlers.errors import CliError, non_negative_int, positive_int
 
 PORT = 8080
+PYTHON_VERSION = "3.11"  # of the images: the version the project is tested with
 TORCH_REQUIREMENT = "torch==2.13.0"  # the build the tests run against (Makefile's TORCH); CUDA wheels on Linux
 RUNPOD_REQUIREMENT = "runpod>=1.7"
 CLOUD_RUN_GPUS = ("nvidia-l4", "nvidia-rtx-pro-6000")
@@ -81,6 +82,7 @@ def add_command(sub: Any) -> None:
     p.add_argument("--out", type=Path, metavar="DIR", help="where to write the files (default deploy/PLATFORM)")
     p.add_argument("--name", default="warmstart", help="service, app or stack name (default warmstart)")
     p.add_argument("--image", help="container image reference (default warmstart:<first 12 digits of the id>)")
+    p.add_argument("--namespace", help="knative, kserve: the Kubernetes namespace (default: kubectl's)")
     p.add_argument("--region", help="cloud region (cloudrun: us-central1, aws: us-east-1)")
     p.add_argument("--role-arn", help="kserve: the IAM role the predictor's service account assumes (IRSA)")
     p.add_argument("--concurrency", type=positive_int, default=64,
@@ -104,9 +106,7 @@ def cmd_template(args: argparse.Namespace) -> int:
         missing.append("--role-arn ARN (the IAM role for IRSA)")
     if missing or not store_uri:
         raise CliError(f"warmstart template {args.platform} needs {', '.join(missing)}")
-    if not NAME.match(args.name):
-        raise CliError(f"--name {args.name!r} is not a valid service name; use lowercase letters, digits and '-', "
-                       "starting with a letter (at most 49 characters)")
+    check_options(args, platform)
     values = resolve_values(args, platform, store_uri)
     out = (args.out or Path("deploy") / args.platform).expanduser()
     written = render(args.platform, values, out)
@@ -123,6 +123,25 @@ def cmd_template(args: argparse.Namespace) -> int:
         print("deploy with:", file=sys.stderr)
         print(command)
     return 0
+
+
+def check_options(args: argparse.Namespace, platform: Platform) -> None:
+    """The checks that need no store, made before the store is contacted."""
+    for flag, value in (("--name", args.name), ("--namespace", args.namespace)):
+        if value and not NAME.match(value):
+            raise CliError(f"{flag} {value!r} is not a valid name; use lowercase letters, digits and '-', starting "
+                           "with a letter (at most 49 characters)")
+    gpu = args.gpu or platform.default_gpu
+    if args.platform == "cloudrun" and gpu not in CLOUD_RUN_GPUS:
+        raise CliError(f"--gpu {gpu!r} is not a Cloud Run GPU; expected one of: {', '.join(CLOUD_RUN_GPUS)}")
+    if args.platform == "aws" and not re.match(r"^ml\.(g|p)\d", gpu or ""):
+        raise CliError(f"--gpu {gpu!r} is not a SageMaker GPU instance type; expected one like ml.g5.xlarge, "
+                       "ml.g6.xlarge or ml.p4d.24xlarge")
+    if args.min_instances > args.max_instances:
+        raise CliError(f"--min-instances {args.min_instances} is more than --max-instances {args.max_instances}")
+    if args.bake and IMAGE_FILES[0] not in platform.files:
+        raise CliError(f"--bake is for platforms that run warmstart's serving image ({', '.join(IMAGE_PLATFORMS)}); "
+                       f"not {args.platform}")
 
 
 def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str) -> dict[str, Any]:
@@ -148,16 +167,6 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
     except (StoreError, FormatError) as e:
         raise CliError(str(e)) from None
     gpu = args.gpu or platform.default_gpu
-    if args.platform == "cloudrun" and gpu not in CLOUD_RUN_GPUS:
-        raise CliError(f"--gpu {gpu!r} is not a Cloud Run GPU; expected one of: {', '.join(CLOUD_RUN_GPUS)}")
-    if args.platform == "aws" and not re.match(r"^ml\.(g|p)\d", gpu or ""):
-        raise CliError(f"--gpu {gpu!r} is not a SageMaker GPU instance type; expected one like ml.g5.xlarge, "
-                       "ml.g6.xlarge or ml.p4d.24xlarge")
-    if args.min_instances > args.max_instances:
-        raise CliError(f"--min-instances {args.min_instances} is more than --max-instances {args.max_instances}")
-    if args.bake and IMAGE_FILES[0] not in platform.files:
-        raise CliError(f"--bake is for platforms that run warmstart's serving image ({', '.join(IMAGE_PLATFORMS)}); "
-                       f"not {args.platform}")
     snapshot = args.snapshot.strip() if args.keep_ref else snapshot_id
     prefix = parsed.path.strip("/")
     cache_dir = "/cache"
@@ -184,7 +193,7 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         "max_instances": args.max_instances,
         "name": args.name,
         "model_name": args.name,
-        "namespace": "",
+        "namespace": args.namespace or "",
         "service_account": f"{args.name}-reader" if args.platform == "kserve" else "",
         "role_arn": args.role_arn or "",
         "image": args.image or f"warmstart:{snapshot_id[:12]}",
@@ -207,9 +216,8 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         "backlog_target": 5,
         "volume": f"{args.name}-cache",
         "secret": f"{args.name}-aws",
-        "python_version": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "python_version": PYTHON_VERSION,
         "torch_requirement": TORCH_REQUIREMENT,
-        "torch_index_url": "",
         "runpod_requirement": RUNPOD_REQUIREMENT,
         "requirements": requirements(),
         "app_file": "modal_app.py",

@@ -134,10 +134,12 @@ def test_every_file_pins_the_snapshot_id_not_the_ref(rendered: dict[str, Path], 
 
 def test_keep_ref_deploys_the_ref_name(s3_env: dict[str, str], tmp_path: Path) -> None:
     proc = warmstart("template", "knative", "--snapshot", "latest", "--store", STORE, "--out", tmp_path,
-                     "--keep-ref", "--json", env=s3_env)
+                     "--keep-ref", "--namespace", "serving", "--json", env=s3_env)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["snapshot"] == "latest" and result["snapshot_id"] == s3_env["SNAPSHOT_ID"]
-    env = yaml.safe_load((tmp_path / "service.yaml").read_text())["spec"]["template"]["spec"]["containers"][0]["env"]
+    service = yaml.safe_load((tmp_path / "service.yaml").read_text())
+    assert service["metadata"]["namespace"] == "serving"
+    env = service["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "WARMSTART_SNAPSHOT", "value": "latest"} in env
 
 
@@ -163,6 +165,7 @@ def test_human_output_names_the_files_and_the_deploy_command(s3_env: dict[str, s
         (["template", "modal", "--snapshot", "latest", "--store", "LOCAL"], "cannot read the local store"),
         (["template", "docker", "--snapshot", "latest", "--store", STORE, "--min-instances", "9"], "--max-instances"),
         (["template", "runpod", "--snapshot", "latest", "--store", STORE, "--bake"], "--bake is for platforms"),
+        (["template", "knative", "--snapshot", "latest", "--store", STORE, "--name", "My_Svc"], "not a valid name"),
         (["template", "docker", "--snapshot", "latest", "--store", "LOCAL", "--bake"], "cannot read the local store"),
     ],
 )
