@@ -201,7 +201,18 @@ def test_cloudformation_passes_cfn_lint(rendered: dict[str, Path]) -> None:
     bucket = resources["SnapshotBucket"]["Properties"]
     assert bucket["VersioningConfiguration"]["Status"] == "Enabled"
     assert all(bucket["PublicAccessBlockConfiguration"].values())
+    assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]
+    (deny,) = resources["SnapshotBucketPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    serve_actions = {a for st in resources["ServeRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+                     for a in ([st["Action"]] if isinstance(st["Action"], str) else st["Action"])}
+    assert "s3:PutObject" in serve_actions and "s3:DeleteObject" not in serve_actions  # puts only under async/
     assert resources["ScalableTarget"]["Properties"]["MinCapacity"] == "REF MinInstances"
+    tracking = resources["BacklogTracking"]["Properties"]["TargetTrackingScalingPolicyConfiguration"]
+    assert tracking["CustomizedMetricSpecification"]["MetricName"] == "ApproximateBacklogSizePerInstance"
+    assert resources["BacklogWithoutCapacityAlarm"]["Properties"]["MetricName"] == "HasBacklogWithoutCapacity"
+    parameters = yaml.safe_load(_without_intrinsics((rendered["aws"] / "template.yaml").read_text()))["Parameters"]
+    assert parameters["MinInstances"]["Default"] == 0 and parameters["InstanceType"]["Default"] == "ml.g5.xlarge"
 
 
 def test_cfn_lint_rejects_a_broken_template(rendered: dict[str, Path], tmp_path: Path) -> None:
