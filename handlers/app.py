@@ -1,7 +1,8 @@
 """The Starlette app: routes, the optional API key, the body limit, and OpenAI-style bodies for every error.
 
 Routes: GET /health (503 until the engine is ready, then 200), GET /status (the cold-start timeline and
-what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions;
+and SageMaker's container contract: GET /ping (as /health) and POST /invocations (a chat completion).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def create_app(state: ServeState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/ping", health, methods=["GET"]),
+        Route("/invocations", chat, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[[Request, Any], Awaitable[Response]]] = {
         APIError: _api_error,
@@ -112,15 +115,15 @@ def _too_large(size: str, limit: int) -> APIError:
 
 
 class BearerAuth:
-    """With an API key set, every route but /health needs `Authorization: Bearer <key>` (compared in constant
-    time, so the time taken says nothing about the key)."""
+    """With an API key set, every route but /health (and /ping, its SageMaker name) needs `Authorization: Bearer
+    <key>` (compared in constant time, so the time taken says nothing about the key)."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in ("/health", "/ping"):
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), None)

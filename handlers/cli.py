@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from handlers import demo, serve, snapshot_commands
+from handlers import demo, deploy_templates, serve, snapshot_commands
 from handlers.errors import CliError
 
 
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_command(sub)
     snapshot_commands.add_commands(sub)
     serve.add_command(sub)
+    deploy_templates.add_command(sub)
     return parser
 
 
