@@ -13,6 +13,7 @@ from tests.kernels_common import DEVICE, EPS, assert_close, randn  # sets TRITON
 pytestmark = pytest.mark.kernels
 
 from runtime.attention import AttentionGroup, AttentionMetadata, paged_attention  # noqa: E402
+from runtime.config import ModelConfig  # noqa: E402
 from runtime.kernels.kv_cache import write_kv, write_kv_reference  # noqa: E402
 from runtime.kernels.paged_attention import (  # noqa: E402
     paged_attention_reference,
@@ -22,7 +23,6 @@ from runtime.kernels.paged_attention import (  # noqa: E402
 from runtime.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from runtime.kernels.rotary import rotary_, rotary_reference  # noqa: E402
 from runtime.model import RotaryTables  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
 
 NUM_BLOCKS = 24
 
@@ -108,13 +108,13 @@ def test_tables_starting_past_the_first_block_under_a_window() -> None:
         assert_close(out, expected)
     new = 5
     q_new = randn(new, 8, 64, dtype=torch.float32, seed=10)
-    out = paged_prefill_attention(q_new, cache, tables[:1], ints([0, new]), ints(seq_lens[:1]), first, window)
-    assert_close(out, paged_attention_reference(q_new, cache, tables[:1], ints([0, new]), ints(seq_lens[:1]), first, window))
+    args = (q_new, cache, tables[:1], ints([0, new]), ints(seq_lens[:1]), first, window)
+    assert_close(paged_prefill_attention(*args), paged_attention_reference(*args))
 
 
 @pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
 def test_reference_is_the_engines_attention(is_decode: bool) -> None:
-    """The kernels' reference computes what the engine's PyTorch path computes, so matching it is matching the engine."""
+    """The kernels' reference computes what the engine's PyTorch path computes: matching it is matching the engine."""
     block_size, head_dim, kv_heads, heads, window = 16, 64, 2, 8, 23
     seq_lens = [40] if not is_decode else [40, 7, 33]
     new = 1 if is_decode else 12
@@ -123,7 +123,8 @@ def test_reference_is_the_engines_attention(is_decode: bool) -> None:
     rows = len(seq_lens) * new
     q = randn(rows, heads, head_dim, dtype=torch.float32, seed=12)
     positions = torch.tensor([n - 1 for n in seq_lens]) if is_decode else torch.arange(seq_lens[0] - new, seq_lens[0])
-    group = AttentionGroup(torch.arange(rows) if is_decode else slice(0, rows), tables, positions, 0, is_decode, block_size)
+    rows_of = torch.arange(rows) if is_decode else slice(0, rows)
+    group = AttentionGroup(rows_of, tables, positions, 0, is_decode, block_size)
     meta = AttentionMetadata(slot_mapping=torch.zeros(rows, dtype=torch.long), groups=[group])
     unused = torch.empty(rows, kv_heads, head_dim)  # only a first chunk's own keys are read from k_new/v_new
     engine = paged_attention(q, unused, unused, cache, meta, window).view(rows, heads, head_dim)

@@ -29,8 +29,13 @@ from runtime.quant import INT4_LAYOUTS, Int4Weight, Int8Weight
 
 
 def quantized_linear_reference(x: torch.Tensor, w: Int8Weight | Int4Weight) -> torch.Tensor:
-    """x @ W.T with W the weight as stored, dequantized in float32."""
-    return (x.float() @ w.dequantize(torch.float32).t().to(x.device)).to(x.dtype)
+    """The kernels' arithmetic in float32: int8 codes times x, then the scales; int4 weights dequantized to
+    x's dtype (what the kernel multiplies by), times x."""
+    if isinstance(w, Int8Weight):
+        y = x.float() @ w.qweight.float().t().to(x.device) * w.scales.float().to(x.device)
+    else:
+        y = x.float() @ w.dequantize(x.dtype).float().t().to(x.device)
+    return y.to(x.dtype)
 
 
 if HAVE_TRITON:
@@ -75,7 +80,8 @@ if HAVE_TRITON:
                 w = ((u - 8).to(tl.float32) * scale[None, :] + zero[None, :]).to(x.dtype)
             else:
                 w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + k[:, None],
-                            mask=(cols < N)[None, :] & (k < K)[:, None], other=0).to(x.dtype)  # fmt: skip
+                            mask=(cols < N)[None, :] & (k < K)[:, None], other=0)  # fmt: skip
+                w = w.to(tl.float32).to(x.dtype)  # via float32: the interpreter turns int8 into bfloat16 wrongly
             acc += dot(x, w)
         if not IS_INT4:
             acc *= tl.load(scales_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
