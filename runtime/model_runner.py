@@ -24,8 +24,9 @@ class ModelRunner:
         # One pool per layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim], head-major so that a
         # head's gathered keys are contiguous. Left uninitialized so a large pool costs nothing at start;
         # blocks are zeroed on first use (see _zero_new_blocks).
+        self.device = model.weights.embed.device
         self.kv_caches = [
-            torch.empty(2, c.num_kv_heads, num_blocks, block_size, c.head_dim, dtype=model.dtype)
+            torch.empty(2, c.num_kv_heads, num_blocks, block_size, c.head_dim, dtype=model.dtype, device=self.device)
             for _ in range(c.num_layers)
         ]
         self.zeroed_blocks = 0
@@ -67,21 +68,22 @@ class ModelRunner:
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), seqs, q_pos, True))
 
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
-        logits_index = torch.tensor(logits_rows, dtype=torch.long)
-        input_tensor, position_tensor = torch.tensor(input_ids), torch.tensor(positions)
+        device = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
+        logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        input_tensor, position_tensor = torch.tensor(input_ids, device=device), torch.tensor(positions, device=device)
         logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
         if not sampled:
             return [], [], []
-        tokens, logprobs = self.sampler(logits, sampled)
+        tokens, logprobs = self.sampler(logits.cpu(), sampled)  # the sampler works on the host
         return sampled, tokens, logprobs
 
     def fill_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """Write KV computed elsewhere, [num_layers, 2, kv_heads, len(blocks), block_size, head_dim], into blocks."""
         self._zero_new_blocks(max(blocks))  # so that lazy zeroing never overwrites what is written here
-        index = torch.tensor(blocks, dtype=torch.long)
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for cache, layer_kv in zip(self.kv_caches, kv, strict=True):
-            cache.index_copy_(2, index, layer_kv.to(cache.dtype))
+            cache.index_copy_(2, index, layer_kv.to(cache.device, cache.dtype))
 
     def _zero_new_blocks(self, highest_block: int) -> None:
         """Attention reads whole blocks and masks what is past a sequence's end; masked garbage must still
