@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from runtime.attention import AttentionGroup, AttentionMetadata
+from runtime.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from runtime.model import Model
 from runtime.sampler import Sampler
 from runtime.scheduler import ScheduledBatch
@@ -14,6 +17,7 @@ from runtime.sequence import Sequence, TokenLogprobs
 # layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
 # one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
+GRAPHS_ENV = "WARMSTART_CUDA_GRAPHS"  # "0": no CUDA graphs for decode on the CUDA path
 
 
 class ModelRunner:
@@ -32,6 +36,14 @@ class ModelRunner:
         self.zeroed_blocks = 0
         self.sampler = Sampler(seed)
         self.window = c.uniform_window
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and model.ops.name == "triton" and os.environ.get(GRAPHS_ENV) != "0":
+            self.capture_decode_graphs()
+
+    def capture_decode_graphs(self, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> None:
+        """On CUDA: replay decode-only steps of up to max(batch_sizes) sequences from captured graphs."""
+        self._zero_new_blocks(0)  # padding rows read block 0
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
@@ -68,11 +80,18 @@ class ModelRunner:
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), seqs, q_pos, True))
 
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
-        device = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
-        logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        input_tensor, position_tensor = torch.tensor(input_ids, device=device), torch.tensor(positions, device=device)
-        logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
+        logits = None
+        if self.graphs is not None and len(decode_seqs) == len(batch.seqs):
+            tables = [[max(b, 0) for b in s.block_table] for s in decode_seqs]
+            logits = self.graphs.run(input_ids, positions, slots, tables)
+            logits = logits[logits_rows] if logits is not None else None
+        if logits is None:
+            device = self.device
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
+            logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
+            input_tensor = torch.tensor(input_ids, device=device)
+            position_tensor = torch.tensor(positions, device=device)
+            logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
         if not sampled:
             return [], [], []
         tokens, logprobs = self.sampler(logits.cpu(), sampled)  # the sampler works on the host

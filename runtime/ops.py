@@ -100,6 +100,9 @@ def select_ops(device: torch.device) -> Ops:
             f"{KERNELS_ENV}=triton on the CPU runs the kernels under Triton's interpreter: also set "
             "TRITON_INTERPRET=1 before starting (or use the default PyTorch path)"
         )
+    from runtime.kernels import use_carried_cache
+
+    use_carried_cache()
     from runtime.kernels.ops import TritonOps
 
     return TritonOps()

@@ -82,3 +82,25 @@ def test_silu_and_mul_rejects_odd_width() -> None:
 def test_runtime_imports_neither_triton_nor_the_kernels() -> None:
     modules = imported_after("import runtime, runtime.model, runtime.engine")
     assert "triton" not in modules and "runtime.kernels" not in modules
+
+
+def test_first_call_timings_cover_every_kernel() -> None:
+    from runtime.config import ModelConfig
+    from runtime.kernels.warmup import first_call_seconds
+    from tests.model_configs import FAMILIES
+
+    config = ModelConfig.from_dict(FAMILIES["qwen3"])
+    timings = first_call_seconds(config, torch.float32, torch.device(DEVICE))
+    assert {"rms_norm", "decode_attention_split", "prefill_attention", "int8_matmul", "rotary"} <= set(timings)
+    assert all(t["first_s"] > 0 and t["second_s"] > 0 for t in timings.values())
+
+
+def test_triton_cache_defaults_next_to_the_snapshot_cache(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from runtime.kernels import carried_cache_dir, use_carried_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert use_carried_cache() == tmp_path / "warmstart" / "triton"
+    assert carried_cache_dir() == tmp_path / "warmstart" / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "image"))
+    assert carried_cache_dir() == tmp_path / "image"
