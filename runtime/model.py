@@ -28,12 +28,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryTables:
     """cos/sin for every position up to ``max_positions``, computed once."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
         inv_freq, scale = rope_inv_freq(config)
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scale).to(dtype)
-        self.sin = (emb.sin() * scale).to(dtype)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a step's positions, shaped to broadcast over heads: [N, 1, head_dim]."""
@@ -51,7 +53,7 @@ class Model:
         self.config = config
         self.weights = weights
         self.dtype = weights.embed.dtype
-        self.rotary = RotaryTables(config, max_positions, self.dtype)
+        self.rotary = RotaryTables(config, max_positions, self.dtype, weights.embed.device)
         from runtime.ops import select_ops  # runtime.ops builds on this module's functions
 
         self.ops = select_ops(weights.embed.device)
