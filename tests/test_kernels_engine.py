@@ -24,15 +24,19 @@ MAX_TOKENS = 4
 ROOT = Path(__file__).resolve().parent.parent
 
 # Blocks of 8 and 16 tokens a step: the 30-token prompt is prefilled in chunks over its cached start, decode
-# and prefill share steps, and the longest sequence outgrows mistral's window of 24.
+# and prefill share steps, and the longest sequence outgrows mistral's window of 24. One process runs every
+# family (Triton's import and the interpreter's start are paid once).
 ENGINE = """
 import json, sys
 from runtime import LLM, SamplingParams
-prompts, max_tokens = json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM.from_hf(sys.argv[1], dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
+jobs, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-outs = llm.generate(prompts, params)
-print(json.dumps({"ops": llm.engine.runner.model.ops.name, "outs": [o.token_ids for o in outs]}))
+results = {}
+for family, (model_dir, prompts) in jobs.items():
+    llm = LLM.from_hf(model_dir, dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, params)
+    results[family] = {"ops": llm.engine.runner.model.ops.name, "outs": [o.token_ids for o in outs]}
+print(json.dumps(results))
 """
 
 
@@ -41,23 +45,24 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[5, 6, 7, 8, 9], [(11 * i + 5) % vocab for i in range(30)], shared + [1], shared + [4, 2]]
 
 
-def run_on_kernels(model_dir: Path, batch: list[list[int]]) -> dict:
+@pytest.fixture(scope="module")
+def engine_on_kernels(tiny_model_dir) -> dict:  # type: ignore[no-untyped-def]
+    jobs = {f: (str(tiny_model_dir(f)), prompts(FAMILIES[f]["vocab_size"])) for f in sorted(FAMILIES)}
     env = {**os.environ, "WARMSTART_KERNELS": "triton", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model_dir), json.dumps(batch), str(MAX_TOKENS)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", ENGINE, json.dumps(jobs), str(MAX_TOKENS)],
+        env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_engine_on_triton_kernels_matches_transformers(tiny_model_dir, family: str) -> None:  # type: ignore[no-untyped-def]
-    model_dir = tiny_model_dir(family)
-    batch = prompts(FAMILIES[family]["vocab_size"])
-    result = run_on_kernels(model_dir, batch)
+def test_engine_on_triton_kernels_matches_transformers(tiny_model_dir, engine_on_kernels, family: str) -> None:  # type: ignore[no-untyped-def]
+    result = engine_on_kernels[family]
     assert result["ops"] == "triton"
-    for prompt, out in zip(batch, result["outs"], strict=True):
+    model_dir = tiny_model_dir(family)
+    for prompt, out in zip(prompts(FAMILIES[family]["vocab_size"]), result["outs"], strict=True):
         assert_matches_reference(model_dir, prompt, out, MAX_TOKENS)
 
 

@@ -57,17 +57,18 @@ class TritonOps:
         out = q.new_empty(n, heads, head_dim)
         device = q.device
         for g in meta.groups:
+            rows = g.rows.to(device) if isinstance(g.rows, torch.Tensor) else g.rows
             tables = g.block_tables.to(device=device, dtype=torch.int32)
             if g.is_decode:
                 seq_lens = (g.query_positions + 1).to(device=device, dtype=torch.int32)
-                o = paged_decode_attention(q[g.rows], cache, tables, seq_lens, g.first_key_position, window)
+                o = paged_decode_attention(q[rows], cache, tables, seq_lens, g.first_key_position, window)
             else:  # one sequence's chunk, its queries the last of its positions
                 t = len(g.query_positions)
                 query_start = torch.tensor([0, t], dtype=torch.int32, device=device)
                 seq_lens = torch.tensor([int(g.query_positions[-1]) + 1], dtype=torch.int32, device=device)
                 first = g.first_key_position
-                o = paged_prefill_attention(q[g.rows], cache, tables, query_start, seq_lens, first, window)
-            out[g.rows] = o
+                o = paged_prefill_attention(q[rows], cache, tables, query_start, seq_lens, first, window)
+            out[rows] = o
         return out.view(n, heads * head_dim)
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
