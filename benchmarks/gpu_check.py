@@ -43,7 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
+from runtime.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
 from runtime.engine import EngineOptions, LLMEngine  # noqa: E402
+from runtime.model_runner import GRAPHS_ENV  # noqa: E402
 from runtime.random_model import make_random_model  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.weights import ModelWeights, load_weights  # noqa: E402
@@ -63,11 +65,19 @@ def weights_to(weights: ModelWeights, device: torch.device) -> ModelWeights:
     return ModelWeights(embed=embed, layers=layers, norm=weights.norm.to(device), lm_head=lm_head)
 
 
-def engine_on(model_dir: Path, dtype: str, device: torch.device, **options: Any) -> LLMEngine:
+def engine_on(
+    model_dir: Path, dtype: str, device: torch.device, graph_sizes: tuple[int, ...], **options: Any
+) -> tuple[LLMEngine, float]:
+    """The engine on ``device`` with decode graphs captured at ``graph_sizes`` (on CUDA), and the capture's seconds."""
     config = ModelConfig.from_dir(model_dir)
     opts = EngineOptions(dtype=dtype, prepack_weights=False, **options)
     weights = load_weights(model_dir, config, getattr(torch, dtype))
-    return LLMEngine.from_weights(config, weights_to(weights, device), None, opts)
+    os.environ[GRAPHS_ENV] = "0"  # the runner would capture every default size; this check picks its own
+    engine = LLMEngine.from_weights(config, weights_to(weights, device), None, opts)
+    start = time.perf_counter()
+    if device.type == "cuda":
+        engine.runner.capture_decode_graphs(graph_sizes)
+    return engine, time.perf_counter() - start
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -107,7 +117,7 @@ def engine_vs_transformers(dry: bool, device: torch.device) -> dict:
             vocab = FAMILIES[family]["vocab_size"]
             prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((5, 30) if dry else (3, 17, 40, 77, 130))]
             try:
-                engine = engine_on(model_dir, "float32", device, block_size=16, num_kv_blocks=128)
+                engine, _ = engine_on(model_dir, "float32", device, (1, 2, 4, 8), block_size=16, num_kv_blocks=128)
                 outs = generate(engine, prompts, max_tokens)
                 for prompt, out in zip(prompts, outs, strict=True):
                     assert_matches_reference(model_dir, prompt, out, max_tokens)
@@ -163,16 +173,20 @@ def hf_throughput(model_dir: Path, prompts: list[list[int]], max_tokens: int, de
     return len(prompts) * (len(prompts[0]) + max_tokens) / (time.perf_counter() - start)
 
 
-def ours_throughput(model_dir: Path, prompts: list[list[int]], max_tokens: int, device: torch.device) -> float:
+def ours_throughput(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int, device: torch.device
+) -> tuple[float, float]:
+    """(tokens/s, seconds to capture the decode graphs)."""
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     blocks = 2048 if device.type == "cuda" else 64
-    engine = engine_on(model_dir, dtype, device, max_num_seqs=len(prompts), num_kv_blocks=blocks)
+    sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b <= len(prompts))
+    engine, capture_s = engine_on(model_dir, dtype, device, sizes, max_num_seqs=len(prompts), num_kv_blocks=blocks)
     generate(engine, [prompts[0][:8]], 2)  # warm-up: compiles the prefill shapes the graphs did not
     _sync(device)
     start = time.perf_counter()
     generate(engine, prompts, max_tokens)
     _sync(device)
-    return len(prompts) * (len(prompts[0]) + max_tokens) / (time.perf_counter() - start)
+    return len(prompts) * (len(prompts[0]) + max_tokens) / (time.perf_counter() - start), capture_s
 
 
 def throughput(dry: bool, device: torch.device, bench_dirs: dict[str, Path], deadline: float) -> dict:
@@ -184,9 +198,9 @@ def throughput(dry: bool, device: torch.device, bench_dirs: dict[str, Path], dea
             continue
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = [[(31 * i + 17 * r) % (vocab - 16) + 16 for i in range(prompt_len)] for r in range(batch)]
-        ours = ours_throughput(model_dir, prompts, max_tokens, device)
+        ours, capture_s = ours_throughput(model_dir, prompts, max_tokens, device)
         hf = hf_throughput(model_dir, prompts, max_tokens, device)
-        results[name] = {"ours_tok_s": ours, "transformers_tok_s": hf, "ratio": ours / hf}
+        results[name] = {"ours_tok_s": ours, "transformers_tok_s": hf, "ratio": ours / hf, "graph_capture_s": capture_s}
     return results
 
 

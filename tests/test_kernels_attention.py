@@ -118,18 +118,19 @@ def test_reference_is_the_engines_attention(is_decode: bool) -> None:
     block_size, head_dim, kv_heads, heads, window = 16, 64, 2, 8, 23
     seq_lens = [40] if not is_decode else [40, 7, 33]
     new = 1 if is_decode else 12
-    cache = pool(kv_heads, block_size, head_dim, torch.float32, seed=11)
-    tables = block_tables(seq_lens, block_size, seed=11).long()
+    # On the CPU, where the engine's PyTorch path runs.
+    cache = pool(kv_heads, block_size, head_dim, torch.float32, seed=11).cpu()
+    tables = block_tables(seq_lens, block_size, seed=11).long().cpu()
     rows = len(seq_lens) * new
-    q = randn(rows, heads, head_dim, dtype=torch.float32, seed=12)
+    q = randn(rows, heads, head_dim, dtype=torch.float32, seed=12).cpu()
     positions = torch.tensor([n - 1 for n in seq_lens]) if is_decode else torch.arange(seq_lens[0] - new, seq_lens[0])
     rows_of = torch.arange(rows) if is_decode else slice(0, rows)
     group = AttentionGroup(rows_of, tables, positions, 0, is_decode, block_size)
     meta = AttentionMetadata(slot_mapping=torch.zeros(rows, dtype=torch.long), groups=[group])
     unused = torch.empty(rows, kv_heads, head_dim)  # only a first chunk's own keys are read from k_new/v_new
     engine = paged_attention(q, unused, unused, cache, meta, window).view(rows, heads, head_dim)
-    query_start = ints(list(range(rows + 1)) if is_decode else [0, rows])
-    assert_close(paged_attention_reference(q, cache, tables, query_start, ints(seq_lens), 0, window), engine)
+    query_start = torch.tensor(list(range(rows + 1)) if is_decode else [0, rows])
+    assert_close(paged_attention_reference(q, cache, tables, query_start, torch.tensor(seq_lens), 0, window), engine)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

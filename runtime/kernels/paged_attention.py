@@ -269,10 +269,9 @@ def paged_prefill_attention(
     config = tile_config(head_dim, heads // cache.shape[1], is_decode=False)
     block_q = config[1]
     lengths = query_start.diff().tolist()  # tiles are laid out on the host: prefill is not graph-captured
-    tile_seq = [s for s, n in enumerate(lengths) for _ in range(0, n, block_q)]
-    tile_query = [i for n in lengths for i in range(0, n, block_q)]
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)  # noqa: E731
+    tile_seq = torch.tensor([s for s, n in enumerate(lengths) for _ in range(0, n, block_q)], dtype=torch.int32)
+    tile_query = torch.tensor([i for n in lengths for i in range(0, n, block_q)], dtype=torch.int32)
     return _launch(
-        q, cache, block_tables, query_start, seq_lens, as_tensor(tile_seq), as_tensor(tile_query),
+        q, cache, block_tables, query_start, seq_lens, tile_seq.to(q.device), tile_query.to(q.device),
         first_key_position, window, config, num_splits=1,
     )
