@@ -27,7 +27,7 @@ if HAVE_TRITON:
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         if slot >= 0:  # a negative slot is padding (a CUDA graph's unused rows)
-            heads = tl.arange(0, HEADS_PAD)
+            heads = tl.arange(0, HEADS_PAD).to(tl.int64)  # a large pool's offsets pass 2^31
             dims = tl.arange(0, D_PAD)
             mask = (heads < KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
             src = heads[:, None] * HEAD_DIM + dims[None, :]

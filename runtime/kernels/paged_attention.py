@@ -113,7 +113,7 @@ if HAVE_TRITON:
         total = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
         table = tables_ptr + seq * table_width
-        k_base = cache_ptr + kv_head * cache_head_stride
+        k_base = cache_ptr + kv_head.to(tl.int64) * cache_head_stride  # a large pool's offsets pass 2^31
         for t in range(tile_begin, tile_end):
             key = t * TILE_K + tl.arange(0, TILE_K)  # index into the table's keys
             key_position = first_key_position + key
