@@ -46,7 +46,10 @@ def create_app(state: ServeState) -> Starlette:
         if state.service is not None:
             entry["created"] = state.service.model.created
             entry["max_model_len"] = state.service.model.max_model_len
-        return JSONResponse({"object": "list", "data": [entry]})
+        # Adapters as vLLM lists LoRA adapters: a model entry each, whose parent is the base.
+        adapters = [{**entry, "id": f"{state.model_name}:{a['name']}", "parent": state.model_name,
+                     "virtual_tokens": a["virtual_tokens"]} for a in state.info.get("adapters", [])]
+        return JSONResponse({"object": "list", "data": [entry, *adapters]})
 
     async def generate(request: Request, parse: Parser) -> Response:
         service = state.ready_service()

@@ -82,7 +82,7 @@ class _Run:
         self.service = service
         self.request_id = request_id
         self.stream = cast(AsyncGenerator["RequestOutput", None],
-                           service.llm.generate(gen.prompt_ids, gen.params, request_id))
+                           service.llm.generate(gen.prompt_ids, gen.params, request_id, gen.adapter))
         self.last: RequestOutput | None = None
         self.last_at: float | None = None
         self.closed = False

@@ -6,6 +6,7 @@ from one `EngineStats` taken at scrape time, so they are exactly the engine's ow
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,13 @@ class _EngineCollector(Collector):
                       stats.prefix_cache_hits if stats else 0)
         yield counter("num_preemptions", "Sequences preempted for lack of KV cache blocks.",
                       stats.num_preemptions if stats else 0)
+        if stats is not None and stats.num_adapters:
+            # vLLM's LoRA info gauge: the labels carry the adapters in use, the value is when it was read.
+            adapters = GaugeMetricFamily(PREFIX + "lora_requests_info", "Adapters of running and waiting requests.",
+                                         labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            adapters.add_metric([str(stats.num_adapters), ",".join(stats.running_adapters),
+                                 ",".join(stats.waiting_adapters)], time.time())
+            yield adapters
         cold = GaugeMetricFamily(PREFIX + "cold_start_seconds", "When each cold-start phase ended, in seconds "
                                  "since the process started.", labels=["phase"])
         for phase, seconds in m.timeline.as_dict()["phases"].items():

@@ -64,6 +64,8 @@ class ServedModel:
     max_model_len: int
     kv_cache_tokens: int  # what the whole KV pool holds; no single request may need more
     prefixes: dict[str, Prefix] = field(default_factory=dict)
+    adapters: dict[str, int] = field(default_factory=dict)  # name -> virtual tokens in front of the prompt
+    select_adapter: Callable[[list[int]], str] | None = None  # the "auto" selector, when the snapshot has one
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
     _max_text: int | None = field(default=None, init=False, repr=False)
@@ -116,11 +118,12 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # top-n alternatives asked for per token; None: no logprobs
+    adapter: str | None = None
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "user", "prefix", "include_stop_str_in_output",
-                 "logprobs"}
+                 "logprobs", "adapter"}
 # Known fields whose effect is not implemented: accepted only at the value that changes nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v == 0,
@@ -147,24 +150,31 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 def parse_completion(body: Any, model: ServedModel) -> Generation:
     b = Body(body, COMPLETION_FIELDS, "completions")
-    _check_model(b, model)
+    adapter = _adapter(b, model)
     prefix = _prefix(b, model)
     ids = _completion_prompt(b.raw.get("prompt"), model, prefix)
+    if adapter == "auto":
+        prompt = b.raw["prompt"]
+        adapter = _auto(model, prompt if isinstance(prompt, str | list) else "", ids)
     logprobs = b.integer("logprobs", None, 0, MAX_LOGPROBS)
-    return _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt")
+    return _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt", adapter=adapter)
 
 
 def parse_chat(body: Any, model: ServedModel) -> Generation:
     b = Body(body, CHAT_FIELDS, "chat completions")
-    _check_model(b, model)
+    adapter = _adapter(b, model)
     prefix = _prefix(b, model)
     messages = _messages(b.raw.get("messages"))
     ids = _chat_prompt(messages, model, prefix)
+    if adapter == "auto":
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        adapter = _auto(model, users[-1] if users else messages[-1]["content"], ids)
     want = b.boolean("logprobs", False)
     top = b.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
-    return _finish(b, model, ids, chat=True, logprobs=(top or 0) if want else None, prompt_param="messages")
+    return _finish(b, model, ids, chat=True, logprobs=(top or 0) if want else None, prompt_param="messages",
+                   adapter=adapter)
 
 
 class Body:
@@ -238,11 +248,38 @@ def json_type(value: Any) -> str:
     return "an object"
 
 
-def _check_model(b: Body, model: ServedModel) -> None:
+def _adapter(b: Body, model: ServedModel) -> str | None:
+    """The adapter a request names, by "adapter" or as "model": "BASE:NAME" (vLLM's LoRA addressing);
+    also checks that the model is the one served."""
     requested = b.string("model")
-    if requested is not None and requested not in (model.name, model.snapshot_id):
-        raise APIError(404, f"model {requested[:80]!r} is not served here; this server serves {model.name!r}",
+    named = b.string("adapter")
+    base, colon, in_model = (requested or "").partition(":")
+    if requested is not None and (base if colon else requested) not in (model.name, model.snapshot_id):
+        raise APIError(404, f"model {requested[:80]!r} is not served here; this server serves {model.name!r}"
+                       + (f" with adapters {', '.join(sorted(model.adapters))}" if model.adapters else ""),
                        param="model", code="model_not_found")
+    if colon and named is not None and named != in_model:
+        raise bad(f"the request names adapter {in_model[:80]!r} in model and {named[:80]!r} in adapter; name one",
+                  "adapter")
+    name = named if named is not None else (in_model if colon else None)
+    if name is None or name in model.adapters or (name == "auto" and model.select_adapter is not None):
+        return name
+    known = ", ".join(sorted(model.adapters)) or "none"
+    if name == "auto":
+        why = "adapter 'auto' needs a snapshot built with --adapter-examples"
+    else:
+        why = f"unknown adapter {name[:80]!r}"
+    raise APIError(404, f"{why}; this snapshot's adapters: {known}", param="model" if colon else "adapter",
+                   code="adapter_not_found")
+
+
+def _auto(model: ServedModel, query: str | list[Any], ids: list[int]) -> str:
+    """The selector's adapter for the user's own text (not the template around it): the build measured it on
+    bare example queries."""
+    assert model.select_adapter is not None
+    if isinstance(query, str) and model.tokenizer is not None:
+        ids = model.tokenizer.encode(query, add_special_tokens=False) or ids
+    return model.select_adapter(ids)
 
 
 def _prefix(b: Body, model: ServedModel) -> Prefix | None:
@@ -358,7 +395,7 @@ def _render(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs: int | None,
-            prompt_param: str) -> Generation:
+            prompt_param: str, adapter: str | None) -> Generation:
     from runtime.sampling_params import SamplingParams
 
     n = b.integer("n", 1, 1)
@@ -379,20 +416,23 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             raise bad(f"stream_options.include_usage must be true or false, got {json_type(usage)}", "stream_options")
         include_usage = bool(usage)
 
-    room = model.max_model_len - len(ids)
+    virtual = model.adapters[adapter] if adapter is not None else 0
+    room = model.max_model_len - virtual - len(ids)
+    behind = f" behind the {virtual} virtual tokens of adapter {adapter!r}" if virtual else ""
     if room < 1:
-        raise bad(f"the prompt is {len(ids)} tokens; this model's context is {model.max_model_len} tokens (it "
-                  "must also leave room for one generated token); shorten the prompt", prompt_param,
+        raise bad(f"the prompt is {len(ids)} tokens{behind}; this model's context is {model.max_model_len} tokens "
+                  "(it must also leave room for one generated token); shorten the prompt", prompt_param,
                   "context_length_exceeded")
     name = "max_completion_tokens" if chat and b.raw.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = b.integer(name, None, 1)
     if max_tokens is None:
         # OpenAI's completions default is 16; chat runs until the context (or the KV pool) is full.
-        fits = min(model.max_model_len, model.kv_cache_tokens) - len(ids)
+        fits = min(model.max_model_len, model.kv_cache_tokens) - virtual - len(ids)
         max_tokens = min(16, room) if not chat else max(1, min(room, fits))
     elif max_tokens > room:
-        raise bad(f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, {len(ids) + max_tokens} in all; "
-                  f"this model's context is {model.max_model_len} tokens (lower {name} to at most {room})", name,
+        raise bad(f"the prompt is {len(ids)} tokens{behind} and {name} is {max_tokens}, "
+                  f"{virtual + len(ids) + max_tokens} in all; this model's context is {model.max_model_len} tokens "
+                  f"(lower {name} to at most {room})", name,
                   "context_length_exceeded")
 
     top_k = b.integer("top_k", 0, -1)
@@ -413,7 +453,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
         )
     except ValueError as e:  # the runtime's own checks: kept as a second line
         raise bad(str(e)) from None
-    return Generation(chat, ids, params, stream, include_usage, logprobs)
+    return Generation(chat, ids, params, stream, include_usage, logprobs, adapter)
 
 
 def _stop(b: Body) -> list[str]:

@@ -34,8 +34,11 @@ class Reply:
     text_offset: int = 0  # completions logprobs: where the next token's text starts
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model.name,
+        adapter = self.gen.adapter
+        head = {"id": self.request_id, "object": obj, "created": self.created,
+                "model": f"{self.model.name}:{adapter}" if adapter else self.model.name,
                 "system_fingerprint": self.model.snapshot_id}
+        return head if adapter is None else {**head, "adapter": adapter}
 
     def whole(self, out: RequestOutput) -> dict[str, Any]:
         logprobs = self._logprobs(out.logprobs or []) if self.gen.logprobs is not None else None

@@ -24,6 +24,11 @@ def add_commands(sub: Any) -> None:
                        help="precompute the KV of this text (tokenized as is)")
     build.add_argument("--system", action="append", default=[], metavar="NAME=FILE",
                        help="precompute the KV of this chat system prompt (rendered by the chat template)")
+    build.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                       help="compile a PEFT prompt-tuning, P-tuning or prefix-tuning adapter into prefix KV")
+    build.add_argument("--adapter-examples", action="append", default=[], metavar="NAME=FILE",
+                       help="example queries for adapter NAME, one per line: builds the 'auto' selector")
+    build.add_argument("--lora", type=Path, metavar="DIR", help="merge this PEFT LoRA adapter into the weights")
     build.add_argument("--quant", default="none", help="none | int8 | int4 | nf4 (weight-only)")
     build.add_argument("--group-size", type=positive_int, default=None,
                        help="int4/nf4 group size: 32, 64, 128 or 256 (default: the largest that fits, up to 128)")
@@ -103,6 +108,7 @@ def _cache(args: argparse.Namespace) -> Any:
 
 def cmd_build(args: argparse.Namespace) -> int:
     with user_errors():
+        from snapshot.adapters import AdapterSpec
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
         from snapshot.store import open_store
         from snapshot.transfer import push_snapshot
@@ -110,8 +116,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         try:
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
             prefixes += [PrefixSpec.parse(p, "system") for p in args.system]
-            options = BuildOptions(quant=args.quant, group_size=args.group_size, dtype=args.dtype,
-                                   block_size=args.block_size, prefixes=prefixes)
+            options = BuildOptions(
+                quant=args.quant, group_size=args.group_size, dtype=args.dtype, block_size=args.block_size,
+                prefixes=prefixes, adapters=[AdapterSpec.parse(a) for a in args.adapter],
+                adapter_examples=[AdapterSpec.parse(e, "--adapter-examples") for e in args.adapter_examples],
+                lora=args.lora,
+            )
             store = open_store(args.store)
             built = build_snapshot(args.model_dir, options, _cache(args), log=_log(args))
         except BuildError as e:
@@ -123,7 +133,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     result = {"id": built.id, "store": store.uri, "blobs_total": stats.blobs_total,
               "blobs_uploaded": stats.blobs_uploaded, "bytes_uploaded": stats.bytes_uploaded,
               "tags": args.tag, "prefixes": [{"name": p["name"], "tokens": len(p["token_ids"])}
-                                             for p in built.manifest.data["prefixes"]]}
+                                             for p in built.manifest.data["prefixes"]],
+              "adapters": adapter_summaries(built.manifest.data), "selector": selector_summary(built.manifest.data)}
     if args.json:
         print(json.dumps(result))
     else:
@@ -188,7 +199,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"block size {info['block_size']}, built by {info['tool']}")
     for p in info["prefixes"]:
         print(f"  prefix {p['name']} ({p['kind']}): {p['tokens']} tokens, {p['cached_tokens']} in full blocks")
+    for a in info["adapters"]:
+        print(f"  adapter {a['name']} ({a['kind']}): {a['virtual_tokens']} virtual tokens, "
+              f"{a['wasted_slots']} KV slots of padding")
+    if info["selector"] is not None:
+        s = info["selector"]
+        measured = f"{s['accuracy']:.1%} of {s['held_out']} held-out examples" if s["accuracy"] is not None else \
+            "accuracy not measured (too few examples)"
+        print(f"  adapter selector ('auto'): {len(s['adapters'])} adapters, {measured}")
     return 0
+
+
+def adapter_summaries(m: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"name": a["name"], "kind": a["kind"], "virtual_tokens": a["num_virtual_tokens"],
+             "wasted_slots": a["wasted_slots"]} for a in m.get("adapters", [])]
+
+
+def selector_summary(m: dict[str, Any]) -> dict[str, Any] | None:
+    s = m.get("adapter_selector")
+    return None if s is None else {"adapters": s["names"], "held_out": s["held_out"], "accuracy": s["accuracy"]}
 
 
 def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +236,8 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
         "blobs": len(m["blobs"]),
         "prefixes": [{"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                       "cached_tokens": len(p["block_hashes"]) * block_size} for p in m["prefixes"]],
+        "adapters": adapter_summaries(m),
+        "selector": selector_summary(m),
         "tool": m["provenance"]["tool"],
     }
 

@@ -17,6 +17,7 @@ from handlers.coldstart import Timeline
 from handlers.generate import Service
 from handlers.metrics import Metrics
 from handlers.openai_protocol import APIError, Prefix, ServedModel
+from handlers.snapshot_commands import adapter_summaries, selector_summary
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
@@ -108,11 +109,14 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             max_model_len=engine.max_model_len,
             kv_cache_tokens=engine.blocks.num_blocks * engine.blocks.block_size,
             prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
+            adapters={name: a.num_tokens for name, a in engine.adapters.items()},
+            select_adapter=engine.select_adapter if engine.adapter_selector is not None else None,
         )
         info = {
             "snapshot_id": report.snapshot_id,
             "prefixes": report.prefixes,
-            "adapters": manifest.get("adapters", []),
+            "adapters": adapter_summaries(manifest),
+            "adapter_selector": selector_summary(manifest),
             "pull": {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
                      "blobs_total": report.blobs_total},
             "engine": {"dtype": engine.options.dtype, "block_size": engine.blocks.block_size,

@@ -42,7 +42,7 @@ class AsyncLLM:
         return cls(LLMEngine.from_hf(model_dir, options))
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, adapter: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield an output each time the request gains tokens; the last one has ``finished`` set.
 
@@ -52,7 +52,7 @@ class AsyncLLM:
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 
         def add() -> str:
-            rid = self.engine.add_request(prompt, params, request_id)
+            rid = self.engine.add_request(prompt, params, request_id, adapter)
             with self._lock:
                 self._streams[rid] = (loop, outputs)
             return rid

@@ -44,6 +44,7 @@ class BlockManager:
         self.block_parent: list[int] = [NO_PARENT] * num_blocks  # hash of the block before it in its chain
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next step
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which served from the cache
 
@@ -64,10 +65,9 @@ class BlockManager:
     def find_cached_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
         """Blocks holding the longest cached prefix of ``token_ids`` and their hashes.
 
-        The last token is never served from the cache: its logits are needed to sample.
+        The last token is never served from the cache: its logits are needed to sample. With prefix caching
+        off, only blocks registered from outside (pinned snapshot prefixes and adapters) are ever found.
         """
-        if not self.enable_prefix_caching:
-            return [], []
         max_blocks = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
         hashes = block_hashes(token_ids[: max_blocks * self.block_size], self.block_size)
@@ -95,21 +95,28 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         hit_blocks, hit_hashes = self.find_cached_prefix(seq.token_ids)
         num_hit_tokens = len(hit_blocks) * self.block_size
+        # An adapter's partial tail block is copied, not shared: its slots are part of the sequence's own block.
+        tail = seq.num_virtual_tokens - num_hit_tokens if seq.virtual_tail_block is not None else 0
+        assert 0 <= tail < self.block_size or num_hit_tokens >= seq.num_virtual_tokens, "adapter blocks not pinned"
+        tail = max(0, tail)
         reusable_free = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)
-        room = (len(self.free) - reusable_free) * self.block_size
-        n = min(max_new_tokens, seq.num_tokens - num_hit_tokens, room)
+        room = (len(self.free) - reusable_free) * self.block_size - tail
+        n = min(max_new_tokens, seq.num_tokens - num_hit_tokens - tail, room)
         if n <= 0:
             return 0
         for block in hit_blocks:
             self._take(block)
         seq.block_table = hit_blocks
         seq.block_hashes = hit_hashes
-        seq.num_computed_tokens = num_hit_tokens
+        seq.num_computed_tokens = num_hit_tokens + tail
         self._append_blocks(seq, self.blocks_needed(seq, n))
+        if tail:
+            assert seq.virtual_tail_block is not None
+            self.pending_copies.append((seq.virtual_tail_block, seq.block_table[num_hit_tokens // self.block_size]))
         if seq.num_preemptions == 0:
-            seq.num_cached_tokens = num_hit_tokens
+            seq.num_cached_tokens = num_hit_tokens + tail
             self.prefix_queries += seq.num_prompt_tokens
-            self.prefix_hits += num_hit_tokens
+            self.prefix_hits += num_hit_tokens + tail
         return n
 
     def grow(self, seq: Sequence, max_new_tokens: int) -> int:

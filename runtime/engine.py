@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.adapters import AdapterSelector, VirtualPrefix, virtual_token_ids
 from runtime.block_manager import NO_PARENT, BlockManager, block_hashes
 from runtime.config import ModelConfig
 from runtime.model import Model
@@ -71,6 +72,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prepack_thread: threading.Thread | None = None
+        self.adapters: dict[str, VirtualPrefix] = {}
+        self.adapter_selector: AdapterSelector | None = None
 
     @classmethod
     def from_hf(cls, model_dir: str | Path, options: EngineOptions | None = None) -> LLMEngine:
@@ -95,9 +98,13 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue one request; raises ValueError naming the bad field, queuing nothing."""
-        seq = self.make_sequence(prompt, params, request_id)
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, adapter: str | None = None
+    ) -> str:
+        """Validate and queue one request; raises ValueError naming the bad field, queuing nothing.
+
+        ``adapter``: a loaded adapter's name, "auto" to let the selector choose, or None for the base model."""
+        seq = self.make_sequence(prompt, params, request_id, adapter)
         detok = None
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -105,7 +112,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.request_id
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def make_sequence(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, adapter: str | None = None
+    ) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -117,6 +126,9 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             bad = next(t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        prefix = self.resolve_adapter(adapter, token_ids)
+        if prefix is not None:
+            token_ids = prefix.token_ids + token_ids
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
@@ -131,9 +143,29 @@ class LLMEngine:
                 f"{self.blocks.num_blocks * self.blocks.block_size} (lower max_tokens or raise num_kv_blocks)"
             )
         seq = Sequence(request_id, list(token_ids), len(token_ids), params)
+        if prefix is not None:
+            seq.adapter, seq.num_virtual_tokens = prefix.name, prefix.num_tokens
+            seq.virtual_tail_block = prefix.tail_block
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         return seq
+
+    def resolve_adapter(self, name: str | None, token_ids: list[int]) -> VirtualPrefix | None:
+        """The adapter a request names ("auto": the selector's choice for its tokens), or None for none."""
+        if name is None:
+            return None
+        if name == "auto":
+            name = self.select_adapter(token_ids)
+        if name not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"unknown adapter {str(name)[:100]!r}; this engine's adapters: {known}")
+        return self.adapters[name]
+
+    def select_adapter(self, token_ids: list[int]) -> str:
+        """The selector's adapter for a query's tokens (see runtime.adapters.AdapterSelector)."""
+        if self.adapter_selector is None:
+            raise ValueError("adapter 'auto' needs a selector; build the snapshot with --adapter-examples")
+        return self.adapter_selector.select(token_ids, self.runner.model.weights.embed)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -195,6 +227,37 @@ class LLMEngine:
             self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
             parent = block_hash
 
+    def virtual_tokens_kv(self, embeds: torch.Tensor) -> torch.Tensor:
+        """KV of soft-prompt embeddings [n, hidden] at positions 0..n-1, in the pool's block layout (the last
+        block zero-padded): what ``load_adapter`` takes."""
+        seq = Sequence("virtual-tokens", [], 0, SamplingParams(max_tokens=1))
+        seq.block_table = self.blocks.take_free(-(-embeds.shape[0] // self.blocks.block_size))
+        try:
+            return self.runner.virtual_tokens_kv(embeds, seq.block_table)
+        finally:
+            self.blocks.free_seq(seq)
+
+    def load_adapter(self, name: str, kind: str, num_tokens: int, kv: torch.Tensor) -> VirtualPrefix:
+        """Put an adapter's KV, [num_layers, 2, kv_heads, blocks, block_size, head_dim] for ``num_tokens``
+        virtual positions, into pinned pool blocks; requests then name it (see runtime/adapters.py)."""
+        c, bs = self.config, self.blocks.block_size
+        num_blocks = -(-num_tokens // bs)
+        expected = (c.num_layers, 2, c.num_kv_heads, num_blocks, bs, c.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"adapter {name!r}: KV of shape {tuple(kv.shape)}; expected {expected}")
+        if name in self.adapters or name == "auto":
+            raise ValueError(f"adapter name {name!r} is already taken")
+        token_ids = virtual_token_ids(name, num_tokens)
+        blocks = self.blocks.take_free(num_blocks)
+        self.runner.fill_blocks(blocks, kv)
+        parent = NO_PARENT
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes(token_ids, bs), strict=False)):
+            self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
+            parent = block_hash
+        tail = blocks[-1] if num_tokens % bs else None
+        self.adapters[name] = VirtualPrefix(name, kind, token_ids, tail)
+        return self.adapters[name]
+
     # -- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -245,16 +308,17 @@ class LLMEngine:
             text = detok.text[: detok.emitted]
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=text,
             finished=finished,
             finish_reason=seq.finish_reason,
-            cached_tokens=seq.num_cached_tokens,
+            cached_tokens=max(0, seq.num_cached_tokens - seq.num_virtual_tokens),
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             new_token_ids=new_tokens,
             new_text=new_text,
             timestamps=seq.timestamps,
+            adapter=seq.adapter,
         )
 
     def stats(self) -> EngineStats:
@@ -268,6 +332,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            num_adapters=len(self.adapters),
+            running_adapters=sorted({s.adapter for s in self.scheduler.running if s.adapter is not None}),
+            waiting_adapters=sorted({s.adapter for s in self.scheduler.waiting if s.adapter is not None}),
         )
 
     def _blocks_from_memory(self) -> int:

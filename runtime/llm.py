@@ -50,10 +50,13 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        adapter: str | None | Seq[str | None] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched; outputs come back in the prompts' order.
 
-        Every prompt is validated before any is queued, so one bad prompt raises and runs nothing.
+        ``adapter``: one adapter name (or "auto") for every prompt, or one per prompt (None: the base model);
+        requests with different adapters share each batch. Every prompt is validated before any is queued,
+        so one bad prompt raises and runs nothing.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -68,12 +71,16 @@ class LLM:
         param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
-        for i, (prompt, p) in enumerate(zip(prompt_list, param_list, strict=True)):
+        adapters = [adapter] * len(prompt_list) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(adapters)} adapters")
+        requests = list(zip(prompt_list, param_list, adapters, strict=True))
+        for i, (prompt, p, a) in enumerate(requests):
             try:
-                self.engine.make_sequence(prompt, p, request_id=f"__check_{i}")
+                self.engine.make_sequence(prompt, p, f"__check_{i}", a)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompt_list, param_list, strict=True)]
+        ids = [self.engine.add_request(prompt, p, adapter=a) for prompt, p, a in requests]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

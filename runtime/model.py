@@ -65,12 +65,15 @@ class Model:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         logits_index: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``."""
+        """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``.
+
+        ``inputs_embeds`` replaces the embedding lookup of ``input_ids`` (soft prompts, at build time)."""
         c, w, ops = self.config, self.weights, self.ops
         n = input_ids.shape[0]
         eps = c.rms_norm_eps
-        x = F.embedding(input_ids, w.embed)
+        x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
         rotary = ops.rotary_args(self.rotary, positions)
         for i, layer in enumerate(w.layers):
             h = ops.rms_norm(x, layer.input_norm, eps)

@@ -10,6 +10,7 @@ from runtime.attention import AttentionGroup, AttentionMetadata
 from runtime.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from runtime.model import Model
 from runtime.sampler import Sampler
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch
 from runtime.sequence import Sequence, TokenLogprobs
 
@@ -80,6 +81,9 @@ class ModelRunner:
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), seqs, q_pos, True))
 
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
+        for src, dst in batch.block_copies:
+            for cache in self.kv_caches:
+                cache[:, :, dst] = cache[:, :, src]
         logits = None
         if self.graphs is not None and len(decode_seqs) == len(batch.seqs):
             tables = [[max(b, 0) for b in s.block_table] for s in decode_seqs]
@@ -96,6 +100,24 @@ class ModelRunner:
             return [], [], []
         tokens, logprobs = self.sampler(logits.cpu(), sampled)  # the sampler works on the host
         return sampled, tokens, logprobs
+
+    @torch.inference_mode()
+    def virtual_tokens_kv(self, embeds: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """Run the model over input embeddings [n, hidden] at positions 0..n-1, writing their KV into
+        ``blocks``; return that KV in the pool's layout, [num_layers, 2, kv_heads, len(blocks), block_size,
+        head_dim] (soft prompts: see runtime/adapters.py)."""
+        n, bs = embeds.shape[0], self.block_size
+        assert len(blocks) == -(-n // bs)
+        seq = Sequence("virtual-tokens", [0] * n, n, SamplingParams(max_tokens=1), block_table=blocks)
+        group = self._group(slice(0, n), [seq], torch.arange(n), False)
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+        self._zero_new_blocks(max(blocks))
+        meta = AttentionMetadata(slot_mapping=slots, groups=[group])
+        no_logits = torch.empty(0, dtype=torch.long)
+        self.model.forward(torch.zeros(n, dtype=torch.long), torch.arange(n), self.kv_caches, meta, no_logits,
+                           inputs_embeds=embeds.to(self.model.dtype))
+        index = torch.tensor(blocks, dtype=torch.long)
+        return torch.stack([cache.index_select(2, index) for cache in self.kv_caches])
 
     def fill_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """Write KV computed elsewhere, [num_layers, 2, kv_heads, len(blocks), block_size, head_dim], into blocks."""

@@ -20,6 +20,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     timestamps: Timestamps | None = None
+    adapter: str | None = None  # the adapter that served the request
 
 
 @dataclass
@@ -33,6 +34,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # prompt tokens computed (not counting cache hits)
     generation_tokens: int
+    num_adapters: int = 0  # compiled adapters loaded
+    running_adapters: list[str] = field(default_factory=list)  # distinct adapters of running requests
+    waiting_adapters: list[str] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

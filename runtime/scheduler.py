@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
 from runtime.sequence import Sequence, Status
@@ -20,6 +20,7 @@ from runtime.sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # new tokens computed this step, per sequence
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), before the step
 
     @property
     def total_tokens(self) -> int:
@@ -84,6 +85,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        batch.block_copies, self.blocks.pending_copies = self.blocks.pending_copies, []
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -52,12 +52,22 @@ class Sequence:
     generator: torch.Generator | None = None
     timestamps: Timestamps = field(default_factory=lambda: Timestamps(time.monotonic()))
     num_preemptions: int = 0
+    # An adapter's virtual tokens lead token_ids (see runtime/adapters.py); they are never computed, only
+    # served: full blocks by the prefix cache, the partial tail copied from ``virtual_tail_block``.
+    adapter: str | None = None
+    num_virtual_tokens: int = 0
+    virtual_tail_block: int | None = None
 
     NO_BLOCK = -1
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt as the request gave it, without an adapter's virtual tokens."""
+        return self.token_ids[self.num_virtual_tokens : self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:

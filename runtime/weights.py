@@ -91,6 +91,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+    return convert_weights(read_checkpoint(model_dir), config, dtype, source=str(model_dir))
+
+
+def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint by name, without the ``model.`` prefix."""
     model_dir = Path(model_dir)
     raw: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
@@ -100,7 +105,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype)
                     raw[name.removeprefix("model.")] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ModelConfigError(f"cannot read {path}: {e}") from None
-    return convert_weights(raw, config, dtype, source=str(model_dir))
+    return raw
 
 
 def convert_weights(

@@ -18,21 +18,28 @@ from typing import Any
 import torch
 
 import runtime
+from runtime.adapters import alignment_advice, wasted_slots
 from runtime.config import ModelConfig, ModelConfigError, read_config_json
 from runtime.engine import DTYPES, EngineOptions, LLMEngine
 from runtime.model import Model
 from runtime.quant import SCHEMES, quantize_model
 from runtime.tokenizer import Tokenizer
-from runtime.weights import ModelWeights, checkpoint_files, load_weights
+from runtime.weights import ModelWeights, checkpoint_files, convert_weights, read_checkpoint
+from snapshot.adapters import (
+    AdapterSpec,
+    PromptAdapter,
+    build_selector,
+    compile_prompt_adapter,
+    merge_lora,
+    read_examples,
+    read_prompt_adapter,
+)
 from snapshot.cache import BlobCache
+from snapshot.errors import BuildError
 from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint, write_packed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PREFIX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class BuildError(Exception):
-    """Something in the build's inputs that the user must fix; the message says what."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,9 @@ class BuildOptions:
     dtype: str = "bfloat16"
     block_size: int = 16
     prefixes: list[PrefixSpec] = field(default_factory=list)
+    adapters: list[AdapterSpec] = field(default_factory=list)  # PEFT prompt-learning adapters
+    adapter_examples: list[AdapterSpec] = field(default_factory=list)  # example queries per adapter, for "auto"
+    lora: Path | None = None  # a LoRA adapter merged into the weights
 
     def validate(self) -> None:
         if self.quant not in SCHEMES:
@@ -69,6 +79,18 @@ class BuildOptions:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise BuildError(f"prefix name(s) given twice: {', '.join(dupes)}")
+        adapters = [a.name for a in self.adapters]
+        for flag, given in (("--adapter", adapters), ("--adapter-examples", [e.name for e in self.adapter_examples])):
+            dupes = sorted({n for n in given if given.count(n) > 1})
+            if dupes:
+                raise BuildError(f"{flag}: name(s) given twice: {', '.join(dupes)}")
+        unknown = sorted({e.name for e in self.adapter_examples} - set(adapters))
+        if unknown:
+            raise BuildError(f"--adapter-examples for {', '.join(unknown)}, which no --adapter names")
+        if self.adapter_examples and len(self.adapter_examples) != len(self.adapters):
+            missing = sorted(set(adapters) - {e.name for e in self.adapter_examples})
+            raise BuildError(f"--adapter-examples: the 'auto' selector needs examples for every adapter; "
+                             f"missing for {', '.join(missing)}")
 
 
 @dataclass
@@ -93,7 +115,12 @@ def build_snapshot(
     config = ModelConfig.from_dict(config_raw, source=str(model_dir / "config.json"))
     dtype = DTYPES[options.dtype]
     log(f"converting weights ({options.dtype}, quantization {options.quant})")
-    weights = load_weights(model_dir, config, dtype)
+    raw = read_checkpoint(model_dir)
+    if options.lora is not None:
+        merged = merge_lora(raw, options.lora)
+        log(f"merged LoRA {options.lora} into {len(merged)} weight(s)")
+    weights = convert_weights(raw, config, dtype, source=str(model_dir))
+    del raw
     if options.quant != "none":
         try:
             weights = quantize_model(weights, options.quant, options.group_size)
@@ -108,14 +135,19 @@ def build_snapshot(
     group_sizes = {m.get("group_size") for m in weights.quant_meta().values()} - {None}
     quantization = {"scheme": options.quant, "group_size": group_sizes.pop() if len(group_sizes) == 1 else None}
     fingerprint = kv_fingerprint(weight_blobs, quantization, options.dtype, options.block_size, runtime.__version__)
-    prefixes = []
-    if options.prefixes:
-        tokenizer = Tokenizer(model_dir) if "tokenizer.json" in tokenizer_blobs else None
-        token_lists = [_prefix_tokens(p, tokenizer) for p in options.prefixes]
-        engine = _engine(config, weights, options, max(len(t) for t in token_lists))
+    tokenizer = Tokenizer(model_dir) if "tokenizer.json" in tokenizer_blobs else None
+    token_lists = [_prefix_tokens(p, tokenizer) for p in options.prefixes]
+    prompt_adapters = [read_prompt_adapter(a, config) for a in options.adapters]
+    prefixes, adapters = [], []
+    if token_lists or prompt_adapters:
+        engine = _engine(config, weights, options, max([len(t) for t in token_lists] +
+                                                       [a.num_tokens for a in prompt_adapters]))
         for spec, token_ids in zip(options.prefixes, token_lists, strict=True):
             log(f"computing prefix KV for {spec.name!r} ({len(token_ids)} tokens)")
             prefixes.append(_prefix_entry(spec, token_ids, engine, blobs))
+        for adapter in prompt_adapters:
+            adapters.append(_adapter_entry(adapter, engine, blobs, log))
+    selector = _selector_entry(options, tokenizer, weights, blobs, log) if options.adapter_examples else None
     data: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -127,13 +159,15 @@ def build_snapshot(
         "tokenizer": tokenizer_blobs,
         "fingerprint": fingerprint,
         "prefixes": prefixes,
+        "adapters": adapters,
+        "adapter_selector": selector,
         "blobs": dict(sorted(blobs.sizes.items())),
         "provenance": {
             "tool": f"warmstart {runtime.__version__}",
             "torch": torch.__version__.split("+")[0],
-            "sources": _source_hashes(model_dir, options.prefixes),
+            "sources": _source_hashes(model_dir, options),
             "options": {"quant": options.quant, "group_size": options.group_size, "dtype": options.dtype,
-                        "block_size": options.block_size},
+                        "block_size": options.block_size, "lora": options.lora is not None},
         },
     }
     manifest = Manifest(data)
@@ -243,7 +277,7 @@ def _prefix_tokens(spec: PrefixSpec, tokenizer: Tokenizer | None) -> list[int]:
 def _engine(config: ModelConfig, weights: ModelWeights, options: BuildOptions, longest: int) -> LLMEngine:
     max_len = min(config.max_position_embeddings, longest + 1)
     if longest >= config.max_position_embeddings:
-        raise BuildError(f"a prefix of {longest} tokens does not fit the model's context of "
+        raise BuildError(f"a prefix or adapter of {longest} tokens does not fit the model's context of "
                          f"{config.max_position_embeddings}")
     blocks = 2 * (-(-max_len // options.block_size)) + 2
     engine_options = EngineOptions(dtype=options.dtype, block_size=options.block_size, num_kv_blocks=blocks,
@@ -267,13 +301,50 @@ def _prefix_entry(spec: PrefixSpec, token_ids: list[int], engine: LLMEngine, blo
     return entry
 
 
-def _source_hashes(model_dir: Path, prefixes: list[PrefixSpec]) -> dict[str, str]:
+def _adapter_entry(
+    adapter: PromptAdapter, engine: LLMEngine, blobs: _BlobWriter, log: Callable[[str], None]
+) -> dict[str, Any]:
+    kv = compile_prompt_adapter(adapter, engine)
+    bs = engine.blocks.block_size
+    waste = wasted_slots(adapter.num_tokens, bs)
+    log(f"adapter {adapter.name!r}: {adapter.kind}, {adapter.num_tokens} virtual tokens, {waste} of "
+        f"{kv.shape[3] * bs} KV slots unused at block size {bs}"
+        + ("" if not waste else f"; {alignment_advice(adapter.num_tokens, bs)}"))
+    blob, _ = blobs.add_packed([tensor_bytes(kv)])
+    return {"name": adapter.name, "kind": adapter.kind, "num_virtual_tokens": adapter.num_tokens,
+            "wasted_slots": waste, "base_model": adapter.base_model, "blob": blob,
+            "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+
+
+def _selector_entry(options: BuildOptions, tokenizer: Tokenizer | None, weights: ModelWeights, blobs: _BlobWriter,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    if tokenizer is None:
+        raise BuildError("--adapter-examples: the model directory has no tokenizer.json to read the examples with")
+    report = build_selector({e.name: read_examples(e) for e in options.adapter_examples}, tokenizer, weights.embed)
+    if report.accuracy is None:
+        log("adapter selector: too few examples to hold any out (give 5 or more per adapter to measure it)")
+    else:
+        log(f"adapter selector: {report.accuracy:.1%} of {report.held_out} held-out examples routed right, "
+            f"{report.microseconds_per_query:.0f} us per query")
+    centroids = report.selector.centroids
+    blob, _ = blobs.add_packed([tensor_bytes(centroids)])
+    return {"names": report.selector.names, "blob": blob, "dtype": "float32", "shape": list(centroids.shape),
+            "held_out": report.held_out, "accuracy": report.accuracy}
+
+
+def _source_hashes(model_dir: Path, options: BuildOptions) -> dict[str, str]:
     files = [model_dir / "config.json", *checkpoint_files(model_dir)]
     files += [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files.append(index)
     out = {f.name: file_blob_id(f) for f in files}
-    for p in prefixes:
+    for p in options.prefixes:
         out[f"{'prefix' if p.kind == 'text' else 'system'}:{p.name}"] = file_blob_id(p.path)
+    for a in options.adapters:
+        out[f"adapter:{a.name}"] = file_blob_id(a.path / "adapter_model.safetensors")
+    for e in options.adapter_examples:
+        out[f"adapter-examples:{e.name}"] = file_blob_id(e.path)
+    if options.lora is not None:
+        out["lora"] = file_blob_id(options.lora / "adapter_model.safetensors")
     return dict(sorted(out.items()))

@@ -33,3 +33,7 @@ class TransferInterrupted(StoreUnreachable):
 
 class CorruptBlob(StoreError):
     """Bytes that do not hash to the id they are stored under."""
+
+
+class BuildError(Exception):
+    """Something in a build's inputs that the user must fix; the message says what."""

@@ -18,6 +18,7 @@ import torch
 
 import runtime
 from runtime import LLM
+from runtime.adapters import AdapterSelector
 from runtime.config import ModelConfig
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.quant import QuantizedWeight, from_tensors
@@ -125,6 +126,12 @@ def engine_from_manifest(
         if prefixes_out is not None:
             prefixes_out.append({"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                                     "cached_tokens": len(p["block_hashes"]) * options.block_size})
+    for a in m.get("adapters", []):
+        engine.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
+    selector = m.get("adapter_selector")
+    if selector is not None:
+        centroids = tensor_view(mapped[selector["blob"]], selector)
+        engine.adapter_selector = AdapterSelector(list(selector["names"]), centroids)
     return engine
 
 
@@ -180,9 +187,9 @@ def _check_fingerprint(m: dict[str, Any], sid: str) -> None:
     weight_blobs = sorted({t["blob"] for t in m["tensors"].values()})
     e = m["engine"]
     mine = kv_fingerprint(weight_blobs, m["quantization"], e["dtype"], e["block_size"], runtime.__version__)
-    if m["prefixes"] and mine != m["fingerprint"]:
+    if (m["prefixes"] or m.get("adapters")) and mine != m["fingerprint"]:
         raise SnapshotError(
-            f"snapshot {sid}: its prefix KV was computed by warmstart {e['version']} for other weights or "
+            f"snapshot {sid}: its prefix and adapter KV was computed by warmstart {e['version']} for other weights or "
             f"settings, and is not valid for warmstart {runtime.__version__} with these weights; rebuild it "
             "with `warmstart build`"
         )

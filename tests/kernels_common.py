@@ -1,7 +1,9 @@
 """What every kernel test shares. Importing this sets TRITON_INTERPRET=1 when there is no GPU.
 
 Triton picks interpreter or compiler when a function is decorated, so the variable must be set before triton
-is first imported (triton.language decorates its own helpers then): import this module before any kernel.
+is first imported (triton.language decorates its own helpers then). tests/conftest.py sets it before any
+test module loads (other tests import triton too: peft does); this module repeats it for whatever imports
+it outside pytest.
 """
 
 from __future__ import annotations

@@ -3,6 +3,14 @@ store, and a ServeState loaded from it in-process."""
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +23,10 @@ from snapshot.store import open_store
 from snapshot.transfer import push_snapshot
 
 REF = "tiny"
+REPO = Path(__file__).resolve().parent.parent
+KEY = "e2e-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+START_TIMEOUT = 90.0
 SYSTEM_TEXT = "You are a terse assistant. Answer in one short sentence, and never apologise for anything. " * 3
 DOC_TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire. " * 3
 
@@ -57,3 +69,45 @@ def error_of(response: Any) -> dict[str, Any]:
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"], error
     return error  # type: ignore[no-any-return]
+
+
+class ServerProcess:
+    """A `warmstart serve` child; its stdout's JSON lines are collected by a thread."""
+
+    def __init__(self, snap: TinySnapshot, *args: str, env: dict[str, str] | None = None, ref: str = REF) -> None:
+        cmd = [sys.executable, "-m", "handlers.cli", "serve", ref, "--store", str(snap.store), "--cache",
+               str(snap.cache), "--port", "0", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WARMSTART_API_KEY": KEY, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=REPO)
+        self.events: list[dict[str, Any]] = []
+        self._new: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = self.wait_for("listening")["url"]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            event = json.loads(line)
+            self.events.append(event)
+            self._new.put(event)
+        self._new.put(None)
+
+    def wait_for(self, phase: str) -> dict[str, Any]:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            event = self._new.get(timeout=max(0.1, deadline - time.monotonic()))
+            if event is None:
+                raise AssertionError(f"server exited ({self.proc.wait()}): {self.proc.stderr.read()}")  # type: ignore[union-attr]
+            if event.get("phase") == phase:
+                return event
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()

@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,55 +19,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of
+from tests.serving import (
+    AUTH,
+    KEY,
+    REF,
+    REPO,
+    START_TIMEOUT,
+    SYSTEM_TEXT,
+    ServerProcess,
+    TinySnapshot,
+    build_tiny_snapshot,
+    error_of,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-KEY = "e2e-secret"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-START_TIMEOUT = 90.0
 POOL_BLOCKS = 100_000
-
-
-class ServerProcess:
-    """A `warmstart serve` child; its stdout's JSON lines are collected by a thread."""
-
-    def __init__(self, snap: TinySnapshot, *args: str, env: dict[str, str] | None = None, ref: str = REF) -> None:
-        cmd = [sys.executable, "-m", "handlers.cli", "serve", ref, "--store", str(snap.store), "--cache",
-               str(snap.cache), "--port", "0", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WARMSTART_API_KEY": KEY, **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     cwd=REPO)
-        self.events: list[dict[str, Any]] = []
-        self._new: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = self.wait_for("listening")["url"]
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            event = json.loads(line)
-            self.events.append(event)
-            self._new.put(event)
-        self._new.put(None)
-
-    def wait_for(self, phase: str) -> dict[str, Any]:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            event = self._new.get(timeout=max(0.1, deadline - time.monotonic()))
-            if event is None:
-                raise AssertionError(f"server exited ({self.proc.wait()}): {self.proc.stderr.read()}")  # type: ignore[union-attr]
-            if event.get("phase") == phase:
-                return event
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,191 @@
+"""Adapters over HTTP: named by "adapter" or "model": "BASE:NAME", listed in /v1/models, /status and
+`warmstart inspect`, chosen by "auto" as accurately as the build measured, refused by name with a 4xx that
+lists the known ones; once in-process (TestClient) and once through a real `warmstart serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from handlers.app import create_app
+from handlers.coldstart import Timeline
+from handlers.metrics import Metrics
+from handlers.openai_protocol import APIError, ServedModel, parse_completion
+from handlers.state import ServeState
+from runtime import LLM, SamplingParams
+from snapshot.loader import load
+from tests.peft_reference import make_adapter
+from tests.serving import AUTH, ServerProcess, TinySnapshot, error_of, ready_state
+from tests.test_cli_snapshot import last_json, warmstart
+
+TOPICS = {
+    "cooking": "salt pepper oven bake flour sugar butter onion garlic soup bread dinner",
+    "finance": "money bank loan price market stock trade tax budget cash invest profit",
+    "travel": "train plane hotel ticket beach city map road trip airport luggage mountain",
+}
+COMMON = ["the", "a", "what", "how", "please", "tell", "me", "about", "my"]
+ADAPTERS = {"cooking": ("PromptTuningConfig", {"num_virtual_tokens": 5}),
+            "finance": ("PrefixTuningConfig", {"num_virtual_tokens": 20}),
+            "travel": ("PromptEncoderConfig", {"num_virtual_tokens": 7, "encoder_hidden_size": 16})}
+
+
+def query(topic: str, rng: random.Random) -> str:
+    words = rng.sample(TOPICS[topic].split(), 4) + rng.sample(COMMON, 3)
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def snap(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> TinySnapshot:  # type: ignore[no-untyped-def]
+    """The tiny llama with three adapters of three types and 30 example queries each, built by the CLI."""
+    root = tmp_path_factory.mktemp("adapters-serve")
+    model_dir = tiny_model_dir("llama")
+    rng = random.Random(0)
+    args = []
+    for i, (name, (kind, opts)) in enumerate(ADAPTERS.items()):
+        make_adapter(model_dir, root / name, kind, seed=i, **opts)
+        (root / f"{name}.txt").write_text("\n".join(query(name, rng) for _ in range(30)))
+        args += ["--adapter", f"{name}={root / name}", "--adapter-examples", f"{name}={root / name}.txt"]
+    env = {"WARMSTART_STORE": str(root / "store"), "WARMSTART_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
+    built = last_json(warmstart("build", str(model_dir), "--dtype", "float32", "--tag", "tiny", "--json", *args,
+                                env={**os.environ, **env}))
+    assert [a["name"] for a in built["adapters"]] == sorted(ADAPTERS)
+    return TinySnapshot(built["id"], root / "store", root / "cache", {})
+
+
+@pytest.fixture(scope="module")
+def state(snap: TinySnapshot) -> Iterator[ServeState]:
+    s = ready_state(snap)
+    yield s
+    s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(state: ServeState) -> Iterator[TestClient]:
+    with TestClient(create_app(state)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(snap: TinySnapshot) -> LLM:
+    return load(snap.id, store=str(snap.store), cache=snap.cache, num_kv_blocks=64, prepack_weights=False)
+
+
+def completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def test_models_status_and_inspect_list_the_adapters(client: TestClient, snap: TinySnapshot) -> None:
+    models = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny", "tiny:cooking", "tiny:finance", "tiny:travel"]
+    assert all(m["parent"] == "tiny" for m in models[1:]) and models[2]["virtual_tokens"] == 20
+    status = client.get("/status").json()
+    assert {a["name"]: (a["virtual_tokens"], a["wasted_slots"]) for a in status["adapters"]} == {
+        "cooking": (5, 11), "finance": (20, 12), "travel": (7, 9)}
+    assert status["adapter_selector"]["held_out"] == 18 and status["adapter_selector"]["accuracy"] >= 0.9
+    env = {**os.environ, "WARMSTART_STORE": str(snap.store), "WARMSTART_CACHE": str(snap.cache)}
+    info = last_json(warmstart("inspect", "tiny", "--json", env=env))
+    assert info["adapters"] == status["adapters"] and info["selector"] == status["adapter_selector"]
+    text = warmstart("inspect", "tiny", env=env).stdout
+    assert "adapter finance (PREFIX_TUNING): 20 virtual tokens, 12 KV slots of padding" in text
+
+
+@pytest.mark.parametrize("how", ["adapter", "model"])
+def test_a_request_names_its_adapter(client: TestClient, reference: LLM, how: str) -> None:
+    prompt = [5, 17, 99, 4, 250, 31]
+    named = {"adapter": "finance"} if how == "adapter" else {"model": "tiny:finance"}
+    body = client.post("/v1/completions", json=completion(prompt, **named)).json()
+    want = reference.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                              adapter="finance")[0]
+    base = reference.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert body["adapter"] == "finance" and body["model"] == "tiny:finance"
+    assert body["choices"][0]["text"] == want.text != base.text
+    assert body["usage"]["prompt_tokens"] == len(prompt)  # the virtual tokens are not the user's
+
+
+def test_metrics_show_the_adapters_in_use(reference: LLM) -> None:
+    engine = reference.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="m1", adapter="travel")
+    engine.add_request([5, 6, 8], SamplingParams(max_tokens=2), request_id="m2", adapter="cooking")
+    try:
+        text = Metrics("tiny", Timeline()).render(engine.stats()).decode()
+    finally:
+        engine.abort("m1")
+        engine.abort("m2")
+    line = next(x for x in text.splitlines() if x.startswith("warmstart:lora_requests_info{"))
+    assert 'max_lora="3"' in line and 'waiting_lora_adapters="cooking,travel"' in line
+    assert 'running_lora_adapters=""' in line
+
+
+def test_the_adapter_field_streams_and_chats(client: TestClient) -> None:
+    whole = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 4, "temperature": 0, "adapter": "travel"}).json()
+    assert whole["adapter"] == "travel"
+    with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 4, "temperature": 0, "adapter": "travel", "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(c["adapter"] == "travel" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+        whole["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("extra", "status", "words"), [
+    ({"adapter": "baking"}, 404, "unknown adapter 'baking'; this snapshot's adapters: cooking, finance, travel"),
+    ({"model": "tiny:baking"}, 404, "unknown adapter 'baking'; this snapshot's adapters: cooking, finance, travel"),
+    ({"model": "other:cooking"}, 404, "model 'other:cooking' is not served here"),
+    ({"model": "tiny:cooking", "adapter": "travel"}, 400, "name one"),
+    ({"adapter": 3}, 400, "adapter"),
+])
+def test_bad_adapter_names_get_a_4xx_naming_the_known_ones(client: TestClient, extra: dict[str, Any], status: int,
+                                                           words: str) -> None:
+    r = client.post("/v1/completions", json=completion([5, 6, 7], **extra))
+    assert r.status_code == status, r.text
+    assert words in error_of(r)["message"]
+
+
+def test_auto_without_a_selector_and_the_context_with_virtual_tokens() -> None:
+    model = ServedModel("m", "0" * 32, None, vocab_size=100, max_model_len=32, kv_cache_tokens=1000,
+                        adapters={"long": 20})
+    with pytest.raises(APIError, match="needs a snapshot built with --adapter-examples"):
+        parse_completion(completion([1, 2], adapter="auto"), model)
+    assert parse_completion(completion(list(range(11)), adapter="long", max_tokens=1), model).adapter == "long"
+    with pytest.raises(APIError, match="12 tokens behind the 20 virtual tokens of adapter 'long'"):
+        parse_completion(completion(list(range(12)), adapter="long", max_tokens=1), model)
+
+
+def test_auto_routes_unseen_queries_as_accurately_as_the_build_measured(client: TestClient) -> None:
+    reported = client.get("/status").json()["adapter_selector"]["accuracy"]
+    rng = random.Random(42)  # not the build's examples
+    right = 0
+    cases = [(topic, query(topic, rng)) for topic in TOPICS for _ in range(8)]
+    for i, (topic, text) in enumerate(cases):
+        if i % 2:
+            body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}],
+                                                             "max_tokens": 1, "adapter": "auto"}).json()
+        else:
+            body = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "adapter": "auto"}).json()
+        right += body["adapter"] == topic
+    assert right / len(cases) >= min(reported, 0.95) - 0.05, (right, len(cases), reported)
+
+
+def test_real_server_serves_adapters_over_the_wire(snap: TinySnapshot) -> None:
+    server = ServerProcess(snap, "--num-kv-blocks", "64", "--max-model-len", "256")
+    try:
+        server.wait_for("ready")
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]][1:] == \
+                ["tiny:cooking", "tiny:finance", "tiny:travel"]
+            body = http.post("/v1/completions", json={"prompt": "bake bread with butter and sugar",
+                                                      "max_tokens": 3, "adapter": "auto"}).json()
+            assert body["adapter"] == "cooking" and body["model"] == "tiny:cooking"
+            r = http.post("/v1/completions", json=completion([1, 2], model="tiny:nope"))
+            assert r.status_code == 404 and "cooking, finance, travel" in r.text
+    finally:
+        assert server.stop() == 0
