@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import AttentionMetadata, paged_attention, write_kv
+from runtime.attention import AttentionMetadata
 from runtime.config import ModelConfig, rope_inv_freq
-from runtime.quant import linear
 from runtime.weights import ModelWeights
 
 
@@ -29,12 +28,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryTables:
     """cos/sin for every position up to ``max_positions``, computed once."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
         inv_freq, scale = rope_inv_freq(config)
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scale).to(dtype)
-        self.sin = (emb.sin() * scale).to(dtype)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a step's positions, shaped to broadcast over heads: [N, 1, head_dim]."""
@@ -52,7 +53,10 @@ class Model:
         self.config = config
         self.weights = weights
         self.dtype = weights.embed.dtype
-        self.rotary = RotaryTables(config, max_positions, self.dtype)
+        self.rotary = RotaryTables(config, max_positions, self.dtype, weights.embed.device)
+        from runtime.ops import select_ops  # runtime.ops builds on this module's functions
+
+        self.ops = select_ops(weights.embed.device)
 
     def forward(
         self,
@@ -66,27 +70,25 @@ class Model:
         """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``.
 
         ``inputs_embeds`` replaces the embedding lookup of ``input_ids`` (soft prompts, at build time)."""
-        c, w = self.config, self.weights
+        c, w, ops = self.config, self.weights, self.ops
         n = input_ids.shape[0]
         eps = c.rms_norm_eps
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.lookup(positions)
+        rotary = ops.rotary_args(self.rotary, positions)
         for i, layer in enumerate(w.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            h = ops.rms_norm(x, layer.input_norm, eps)
+            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
             v = v.view(n, c.num_kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q, k = apply_rotary(q, k, cos, sin)
-            write_kv(kv_caches[i], k, v, meta.slot_mapping)
-            attn = paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
-            x = x + linear(attn, layer.o_proj)
-            h = rms_norm(x, layer.post_norm, eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
-        h = rms_norm(x[logits_index], w.norm, eps)
-        return linear(h, w.lm_head).float()
+                q = ops.rms_norm(q, layer.q_norm, eps)
+                k = ops.rms_norm(k, layer.k_norm, eps)
+            q, k = ops.rotary(q, k, rotary)
+            ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
+            attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
+            h, x = ops.add_rms_norm(ops.linear(attn, layer.o_proj), x, layer.post_norm, eps)
+            x = x + ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up)), layer.down)
+        h = ops.rms_norm(x[logits_index], w.norm, eps)
+        return ops.linear(h, w.lm_head).float()

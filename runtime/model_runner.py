@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from runtime.attention import AttentionGroup, AttentionMetadata
+from runtime.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from runtime.model import Model
 from runtime.sampler import Sampler
 from runtime.sampling_params import SamplingParams
@@ -15,6 +18,7 @@ from runtime.sequence import Sequence, TokenLogprobs
 # layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
 # one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
+GRAPHS_ENV = "WARMSTART_CUDA_GRAPHS"  # "0": no CUDA graphs for decode on the CUDA path
 
 
 class ModelRunner:
@@ -25,13 +29,22 @@ class ModelRunner:
         # One pool per layer: [2 (K, V), kv_heads, num_blocks, block_size, head_dim], head-major so that a
         # head's gathered keys are contiguous. Left uninitialized so a large pool costs nothing at start;
         # blocks are zeroed on first use (see _zero_new_blocks).
+        self.device = model.weights.embed.device
         self.kv_caches = [
-            torch.empty(2, c.num_kv_heads, num_blocks, block_size, c.head_dim, dtype=model.dtype)
+            torch.empty(2, c.num_kv_heads, num_blocks, block_size, c.head_dim, dtype=model.dtype, device=self.device)
             for _ in range(c.num_layers)
         ]
         self.zeroed_blocks = 0
         self.sampler = Sampler(seed)
         self.window = c.uniform_window
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and model.ops.name == "triton" and os.environ.get(GRAPHS_ENV) != "0":
+            self.capture_decode_graphs()
+
+    def capture_decode_graphs(self, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> None:
+        """On CUDA: replay decode-only steps of up to max(batch_sizes) sequences from captured graphs."""
+        self._zero_new_blocks(0)  # padding rows read block 0
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
@@ -71,13 +84,21 @@ class ModelRunner:
         for src, dst in batch.block_copies:
             for cache in self.kv_caches:
                 cache[:, :, dst] = cache[:, :, src]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
-        logits_index = torch.tensor(logits_rows, dtype=torch.long)
-        input_tensor, position_tensor = torch.tensor(input_ids), torch.tensor(positions)
-        logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
+        logits = None
+        if self.graphs is not None and len(decode_seqs) == len(batch.seqs):
+            tables = [[max(b, 0) for b in s.block_table] for s in decode_seqs]
+            logits = self.graphs.run(input_ids, positions, slots, tables)
+            logits = logits[logits_rows] if logits is not None else None
+        if logits is None:
+            device = self.device
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
+            logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
+            input_tensor = torch.tensor(input_ids, device=device)
+            position_tensor = torch.tensor(positions, device=device)
+            logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
         if not sampled:
             return [], [], []
-        tokens, logprobs = self.sampler(logits, sampled)
+        tokens, logprobs = self.sampler(logits.cpu(), sampled)  # the sampler works on the host
         return sampled, tokens, logprobs
 
     @torch.inference_mode()
@@ -101,9 +122,9 @@ class ModelRunner:
     def fill_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """Write KV computed elsewhere, [num_layers, 2, kv_heads, len(blocks), block_size, head_dim], into blocks."""
         self._zero_new_blocks(max(blocks))  # so that lazy zeroing never overwrites what is written here
-        index = torch.tensor(blocks, dtype=torch.long)
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for cache, layer_kv in zip(self.kv_caches, kv, strict=True):
-            cache.index_copy_(2, index, layer_kv.to(cache.dtype))
+            cache.index_copy_(2, index, layer_kv.to(cache.device, cache.dtype))
 
     def _zero_new_blocks(self, highest_block: int) -> None:
         """Attention reads whole blocks and masks what is past a sequence's end; masked garbage must still

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The kernels tests run Triton's interpreter, which Triton chooses when it is first imported, and some
+    # tests import it long before them (peft does): so it is chosen here, before any test module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from runtime.random_model import make_random_model
 from tests.model_configs import FAMILIES

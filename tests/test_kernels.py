@@ -1,22 +1,19 @@
 """Each Triton kernel against its PyTorch reference over odd shapes.
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter. Triton picks interpreter or
-compiler when a function is decorated, so TRITON_INTERPRET=1 must be set before triton is first imported
-(triton.language decorates its own helpers then); no other test imports triton. On a CUDA machine the same
-tests run the compiled kernels.
+compiler when a function is decorated, so TRITON_INTERPRET=1 must be set before triton is first imported:
+tests.kernels_common does it, and every kernels test file imports it before any kernel. On a CUDA machine
+the same tests run the compiled kernels.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton's first import: triton.language's own helpers (tl.sum...) are decorated then.
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from tests.kernels_common import DEVICE, EPS, INTERPRETED, assert_close, randn  # sets TRITON_INTERPRET first
+
+pytestmark = pytest.mark.kernels
 
 from runtime.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from runtime.kernels.rmsnorm import (  # noqa: E402
@@ -27,27 +24,6 @@ from runtime.kernels.rmsnorm import (  # noqa: E402
 )
 from runtime.model import rms_norm as model_rms_norm  # noqa: E402
 from tests.test_import_chain import imported_after  # noqa: E402
-
-pytestmark = pytest.mark.kernels
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = not torch.cuda.is_available()
-EPS = 1e-6
-# (atol, rtol). The interpreter casts float32 to bfloat16 by truncation where the GPU and torch round to
-# nearest, so each rounding inside a kernel may land one bfloat16 ulp (2^-7 relative at worst) below torch's;
-# silu-and-mul and rms_norm round twice.
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2)}
-
-
-def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    atol, rtol = TOLERANCE[expected.dtype]
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -106,3 +82,25 @@ def test_silu_and_mul_rejects_odd_width() -> None:
 def test_runtime_imports_neither_triton_nor_the_kernels() -> None:
     modules = imported_after("import runtime, runtime.model, runtime.engine")
     assert "triton" not in modules and "runtime.kernels" not in modules
+
+
+def test_first_call_timings_cover_every_kernel() -> None:
+    from runtime.config import ModelConfig
+    from runtime.kernels.warmup import first_call_seconds
+    from tests.model_configs import FAMILIES
+
+    config = ModelConfig.from_dict(FAMILIES["qwen3"])
+    timings = first_call_seconds(config, torch.float32, torch.device(DEVICE))
+    assert {"rms_norm", "decode_attention_split", "prefill_attention", "int8_matmul", "rotary"} <= set(timings)
+    assert all(t["first_s"] > 0 and t["second_s"] > 0 for t in timings.values())
+
+
+def test_triton_cache_defaults_next_to_the_snapshot_cache(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from runtime.kernels import carried_cache_dir, use_carried_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert use_carried_cache() == tmp_path / "warmstart" / "triton"
+    assert carried_cache_dir() == tmp_path / "warmstart" / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "image"))
+    assert carried_cache_dir() == tmp_path / "image"

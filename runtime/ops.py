@@ -1,0 +1,108 @@
+"""The decoder's operations, chosen once per model: PyTorch ops (the CPU path) or the Triton kernels (the
+CUDA path, runtime/kernels/).
+
+``WARMSTART_KERNELS=torch|triton`` chooses; by default a model on a CUDA device gets the kernels and one on
+the CPU gets PyTorch. On the CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
+set before the process starts), which is how the CUDA path's wiring is proven without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from runtime import attention
+from runtime.attention import AttentionMetadata
+from runtime.model import RotaryTables, apply_rotary, rms_norm
+from runtime.quant import linear
+
+if TYPE_CHECKING:
+    from runtime.weights import LinearWeight
+
+KERNELS_ENV = "WARMSTART_KERNELS"
+CHOICES = ("torch", "triton")
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary_args(self, tables: RotaryTables, positions: torch.Tensor) -> Any:
+        """What ``rotary`` needs for a step's positions, computed once per step."""
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def paged_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+        window: int | None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = residual + x
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_args(self, tables: RotaryTables, positions: torch.Tensor) -> Any:
+        return tables.lookup(positions)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, *args)
+
+    def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        attention.write_kv(cache, k, v, slot_mapping)
+
+    def paged_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+        window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        return attention.paged_attention(q, k, v, cache, meta, window)
+
+    def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, w, bias)
+
+
+def select_ops(device: torch.device) -> Ops:
+    """The ops for a model on ``device``, from WARMSTART_KERNELS or the device's default."""
+    choice = os.environ.get(KERNELS_ENV) or ("triton" if device.type == "cuda" else "torch")
+    if choice not in CHOICES:
+        raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "torch":
+        return TorchOps()
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{KERNELS_ENV}=triton on the CPU runs the kernels under Triton's interpreter: also set "
+            "TRITON_INTERPRET=1 before starting (or use the default PyTorch path)"
+        )
+    from runtime.kernels import use_carried_cache
+
+    use_carried_cache()
+    from runtime.kernels.ops import TritonOps
+
+    return TritonOps()
