@@ -52,6 +52,12 @@ class Sequence:
     generator: torch.Generator | None = None
     timestamps: Timestamps = field(default_factory=lambda: Timestamps(time.monotonic()))
     num_preemptions: int = 0
+    # Speculative decoding: proposed tokens to verify this step (not yet in token_ids), the draft model's
+    # distributions they were drawn from ([k, vocab]; None for prompt lookup, a point mass), and how many
+    # positions of the draft model's KV are valid in this sequence's blocks.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    draft_computed: int = 0
 
     NO_BLOCK = -1
 
