@@ -29,6 +29,10 @@ def add_commands(sub: Any) -> None:
                        help="int4/nf4 group size: 32, 64, 128 or 256 (default: the largest that fits, up to 128)")
     build.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     build.add_argument("--block-size", type=positive_int, default=16, help="KV block size the engine will use")
+    build.add_argument("--draft", type=Path, metavar="DRAFT_DIR",
+                       help="a draft model (same tokenizer) for `serve --speculative draft`, stored as its own blobs")
+    build.add_argument("--draft-quant", default="none", help="the draft's quantization: none | int8 | int4 | nf4")
+    build.add_argument("--draft-group-size", type=positive_int, default=None, help="the draft's quantization group")
     build.add_argument("--tag", action="append", default=[], metavar="NAME", help="point this ref at the snapshot")
     _common(build, cache=True)
     build.set_defaults(func=cmd_build)
@@ -111,7 +115,8 @@ def cmd_build(args: argparse.Namespace) -> int:
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
             prefixes += [PrefixSpec.parse(p, "system") for p in args.system]
             options = BuildOptions(quant=args.quant, group_size=args.group_size, dtype=args.dtype,
-                                   block_size=args.block_size, prefixes=prefixes)
+                                   block_size=args.block_size, prefixes=prefixes, draft=args.draft,
+                                   draft_quant=args.draft_quant, draft_group_size=args.draft_group_size)
             store = open_store(args.store)
             built = build_snapshot(args.model_dir, options, _cache(args), log=_log(args))
         except BuildError as e:
@@ -208,6 +213,8 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
         "prefixes": [{"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                       "cached_tokens": len(p["block_hashes"]) * block_size} for p in m["prefixes"]],
         "tool": m["provenance"]["tool"],
+        **({"draft": {"architecture": m["draft"]["model"]["architecture"], "quantization": m["draft"]["quantization"],
+                      "bytes": sum(t["nbytes"] for t in m["draft"]["tensors"].values())}} if "draft" in m else {}),
     }
 
 

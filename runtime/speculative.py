@@ -143,6 +143,7 @@ class DraftProposer:
         self.sampler = sampler
         self.valid: dict[int, int] = {}  # block -> hash of the verified full block whose draft KV it holds
 
+    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
         bs = self.blocks.block_size
         chunks = []

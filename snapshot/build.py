@@ -57,10 +57,15 @@ class BuildOptions:
     dtype: str = "bfloat16"
     block_size: int = 16
     prefixes: list[PrefixSpec] = field(default_factory=list)
+    draft: Path | None = None  # a draft model's HF directory, for speculative decoding (snapshot.draft)
+    draft_quant: str = "none"
+    draft_group_size: int | None = None
 
     def validate(self) -> None:
         if self.quant not in SCHEMES:
             raise BuildError(f"--quant must be one of {', '.join(SCHEMES)}, got {self.quant!r}")
+        if self.draft_quant not in SCHEMES:
+            raise BuildError(f"--draft-quant must be one of {', '.join(SCHEMES)}, got {self.draft_quant!r}")
         if self.dtype not in DTYPES:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
@@ -116,6 +121,11 @@ def build_snapshot(
         for spec, token_ids in zip(options.prefixes, token_lists, strict=True):
             log(f"computing prefix KV for {spec.name!r} ({len(token_ids)} tokens)")
             prefixes.append(_prefix_entry(spec, token_ids, engine, blobs))
+    draft = None
+    if options.draft is not None:
+        from snapshot.draft import build_draft
+
+        draft = build_draft(Path(options.draft), model_dir, config, options, prefixes, blobs, log)
     data: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -136,6 +146,9 @@ def build_snapshot(
                         "block_size": options.block_size},
         },
     }
+    if draft is not None:
+        data["draft"] = draft
+        data["provenance"]["options"].update(draft_quant=options.draft_quant, draft_group_size=options.draft_group_size)
     manifest = Manifest(data)
     cache.add_manifest(manifest.id, manifest.encode())
     return BuiltSnapshot(manifest, blobs.paths)
