@@ -133,7 +133,7 @@ class LLMEngine:
             draft_model = Model(draft[0], draft[1], max_len)
         engine = cls(Model(config, weights, max_len), tokenizer, options, draft_model)
         if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
-            engine.prepack_thread = prepack_in_background(weights)
+            engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
 
     # -- requests -------------------------------------------------------------------------------------
