@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, side by side, at a controlled acceptance rate.
 
     python benchmarks/speculative.py [--config ../shared/bench/models/smollm2-135m.json] [--k 4]
-                                     [--noise 0 0.002 0.005 0.01 0.02 0.05] [--new-tokens 64]
+                                     [--noise 0 0.005 0.02 0.1] [--new-tokens 64] [--dtype bfloat16]
 
 Random weights give a random acceptance rate, so the draft is the target itself with its weights perturbed
 by increasing noise (w + noise * std(w) * N(0, 1)): noise 0 is an exact copy, always accepted, which
@@ -88,7 +88,8 @@ def run(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> tuple[flo
 
 def make_engine(config: ModelConfig, weights: ModelWeights, draft: ModelWeights | None, spec: str | None,
                 k: int) -> LLMEngine:
-    options = EngineOptions(dtype="bfloat16", num_kv_blocks=512, max_num_seqs=16, speculative=spec,
+    dtype = str(weights.embed.dtype).removeprefix("torch.")
+    options = EngineOptions(dtype=dtype, num_kv_blocks=512, max_num_seqs=16, speculative=spec,
                             num_speculative_tokens=k, max_model_len=512)
     engine = LLMEngine.from_weights(config, perturbed(weights, 0.0), None, options,
                                     (config, draft) if draft is not None else None)
@@ -102,15 +103,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.002, 0.005, 0.01, 0.02, 0.05])
+    ap.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.005, 0.02, 0.1])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = ap.parse_args()
 
     path = model_dir(args.config)
     config = ModelConfig.from_dir(path)
-    weights = load_weights(path, config, torch.bfloat16)
-    print(f"model {args.config.stem} (random weights, bf16), k={args.k}, {PROMPT_TOKENS}-token prompts, "
+    weights = load_weights(path, config, getattr(torch, args.dtype))
+    print(f"model {args.config.stem} (random weights, {args.dtype}), k={args.k}, {PROMPT_TOKENS}-token prompts, "
           f"{args.new_tokens} new tokens each, greedy, torch threads {torch.get_num_threads()}")
     plain = make_engine(config, weights, None, None, args.k)
     baseline: dict[tuple[int, bool], float] = {}

@@ -27,6 +27,10 @@ class Chunk:
     token_ids: list[int]
     start: int
     num_logits: int  # logits wanted for this many of the chunk's last tokens
+    # Attend each token as a decode query of its own (causal over the chunk, the pool holding its KV first):
+    # a speculative verification then rounds exactly as the one-token steps it stands for, and joins the
+    # batched decode groups instead of costing a group of its own.
+    as_decode_rows: bool = False
 
 
 class ModelRunner:
@@ -55,7 +59,7 @@ class ModelRunner:
             ids = seq.token_ids[start : start + n]
             ids += seq.spec_token_ids[: n - len(ids)]
             num_logits = n if seq.spec_token_ids else int(start + n == seq.num_tokens)
-            chunks.append(Chunk(seq.block_table, ids, start, num_logits))
+            chunks.append(Chunk(seq.block_table, ids, start, num_logits, as_decode_rows=bool(seq.spec_token_ids)))
         logits = self.forward(chunks)
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -96,6 +100,9 @@ class ModelRunner:
             if n == 1:
                 decode_rows.append(row)
                 decode_chunks.append(chunk)
+            elif chunk.as_decode_rows:
+                decode_rows.extend(range(row, row + n))
+                decode_chunks.extend(Chunk(table, [t], start + i, 0) for i, t in enumerate(chunk.token_ids))
             else:
                 groups.append(self._group(slice(row, row + n), [chunk], torch.arange(start, start + n), False))
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))

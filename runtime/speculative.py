@@ -151,12 +151,16 @@ class DraftProposer:
             start = self._known(seq)
             for block in seq.block_table[start // bs :]:  # about to be written
                 self.valid.pop(block, None)
-            chunks.append(self.chunk(seq.block_table, seq.token_ids[start:], start, 1))
+            # Prompt tokens as the target computed them (a chunk), generated ones as one-token steps: the draft
+            # then rounds as the target did, so a draft equal to the target is always accepted.
+            split = min(max(start, seq.num_prompt_tokens), seq.num_tokens - 1)
+            prompt_part = [self.chunk(seq.block_table, seq.token_ids[start:split], start, 0)] if split > start else []
+            chunks.append([*prompt_part, self.chunk(seq.block_table, seq.token_ids[split:], split, 1, True)])
             seq.spec_token_ids = []
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while active:
-            logits = self.runner.forward([chunks[i] for i in active])
+            logits = self.runner.forward([c for i in active for c in chunks[i]])
             for row, i in enumerate(active):
                 seq = seqs[i]
                 token, q = self._sample(logits[row], seq)
@@ -164,7 +168,7 @@ class DraftProposer:
                 if q is not None:
                     probs[i].append(q)
                 position = seq.num_tokens - 1 + len(seq.spec_token_ids)
-                chunks[i] = self.chunk(seq.block_table, [token], position, 1)
+                chunks[i] = [self.chunk(seq.block_table, [token], position, 1)]
             active = [i for i in active if len(seqs[i].spec_token_ids) < limits[i]]
         for seq, q_rows in zip(seqs, probs, strict=True):
             seq.spec_probs = torch.stack(q_rows) if q_rows else None

@@ -3,6 +3,7 @@ with its counters at /metrics and /status and a per-request off switch over HTTP
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -147,3 +148,18 @@ def test_serve_and_build_take_the_speculative_options() -> None:
     bad = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "ref", "--speculative", "medusa"],
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=60)
     assert bad.returncode == 2 and "--speculative" in bad.stderr
+
+
+def test_streamed_text_and_logprobs_equal_the_whole_answer(client: TestClient) -> None:
+    """Several tokens per step arrive as one chunk; the stream must still add up to the whole answer."""
+    body = {"model": REF, "messages": [{"role": "user", "content": DOC_TEXT}], "logprobs": True,
+            "top_logprobs": 2, **GREEDY}
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in streamed.text.split("\n\n")
+              if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    tokens = [t["token"] for e in events if e["choices"] and e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["content"]]
+    assert text == whole["message"]["content"]
+    assert tokens == [t["token"] for t in whole["logprobs"]["content"]]
