@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, side by side, at a controlled acceptance rate.
 
     python benchmarks/speculative.py [--config ../shared/bench/models/smollm2-135m.json] [--k 4]
-                                     [--noise 0 0.005 0.02 0.1] [--new-tokens 64] [--dtype bfloat16]
+                                     [--noise 0 0.0005 0.002] [--new-tokens 32] [--repeats 3] [--dtype bfloat16]
 
 Random weights give a random acceptance rate, so the draft is the target itself with its weights perturbed
 by increasing noise (w + noise * std(w) * N(0, 1)): noise 0 is an exact copy, always accepted, which
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from dataclasses import fields
@@ -103,48 +104,50 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.005, 0.02, 0.1])
+    ap.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.0005, 0.002])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
     path = model_dir(args.config)
     config = ModelConfig.from_dir(path)
     weights = load_weights(path, config, getattr(torch, args.dtype))
     print(f"model {args.config.stem} (random weights, {args.dtype}), k={args.k}, {PROMPT_TOKENS}-token prompts, "
-          f"{args.new_tokens} new tokens each, greedy, torch threads {torch.get_num_threads()}")
+          f"{args.new_tokens} new tokens each, greedy, torch threads {torch.get_num_threads()}; plain and "
+          f"speculative runs alternate, median of {args.repeats}")
     plain = make_engine(config, weights, None, None, args.k)
-    baseline: dict[tuple[int, bool], float] = {}
-    for b in args.batches:
-        for repeat in (False, True):
-            seconds, tokens = run(plain, prompts(b, config.vocab_size, repeat), args.new_tokens)
-            baseline[b, repeat] = tokens / seconds
-    plain_step = {b: b / baseline[b, False] for b in args.batches}  # seconds per decode step
-
-    print(f"{'proposer':<22}{'batch':>6}{'accept':>8}{'tok/s':>9}{'plain':>9}{'ratio':>8}")
+    print(f"{'proposer':<24}{'batch':>6}{'accept':>8}{'tok/s':>9}{'plain':>9}{'ratio':>8}")
     rows = [(f"draft noise {n:g}", "draft", n) for n in args.noise] + [("ngram (repeated prompt)", "ngram", None)]
-    costs: dict[int, tuple[float, float]] = {}
+    costs: dict[int, tuple[float, float, float]] = {}
     for label, spec, noise in rows:
         draft = perturbed(weights, noise) if noise is not None else None
         engine = make_engine(config, weights, draft, spec, args.k)
         timer = ProposeTimer(engine)
-        timer_before = 0.0
         for b in args.batches:
+            batch = prompts(b, config.vocab_size, spec == "ngram")
+            plain_s, spec_s, propose_s, passes = [], [], [], []
             before = engine.stats()
-            seconds, tokens = run(engine, prompts(b, config.vocab_size, spec == "ngram"), args.new_tokens)
+            for _ in range(args.repeats):
+                seconds, tokens = run(plain, batch, args.new_tokens)
+                plain_s.append(seconds)
+                drafts, timed = engine.stats().spec_num_drafts, timer.seconds
+                seconds, tokens = run(engine, batch, args.new_tokens)
+                spec_s.append(seconds)
+                propose_s.append(timer.seconds - timed)
+                passes.append((engine.stats().spec_num_drafts - drafts) / b)
             after = engine.stats()
             drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
             accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
             rate = accepted / drafted if drafted else float("nan")
-            plain_tps = baseline[b, spec == "ngram"]
-            print(f"{label:<22}{b:>6}{rate:>8.2f}{tokens / seconds:>9.1f}{plain_tps:>9.1f}"
-                  f"{tokens / seconds / plain_tps:>7.2f}x", flush=True)
+            spec_tps, plain_tps = tokens / statistics.median(spec_s), tokens / statistics.median(plain_s)
+            print(f"{label:<24}{b:>6}{rate:>8.2f}{spec_tps:>9.1f}{plain_tps:>9.1f}{spec_tps / plain_tps:>7.2f}x",
+                  flush=True)
             if noise == 0.0:  # every proposal accepted: each step is one pass of k draft steps + a verification
-                passes = (after.spec_num_drafts - before.spec_num_drafts) / b
-                propose_s = timer.seconds - timer_before
-                costs[b] = ((seconds - propose_s) / passes, propose_s / passes / args.k, plain_step[b])
-            timer_before = timer.seconds
+                i = spec_s.index(statistics.median(spec_s)) if args.repeats % 2 else 0
+                step_s = statistics.median(plain_s) / (args.new_tokens - 1)
+                costs[b] = ((spec_s[i] - propose_s[i]) / passes[i], propose_s[i] / passes[i] / args.k, step_s)
         del engine
 
     if costs:
