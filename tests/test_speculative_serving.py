@@ -4,6 +4,7 @@ with its counters at /metrics and /status and a per-request off switch over HTTP
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -163,3 +164,24 @@ def test_streamed_text_and_logprobs_equal_the_whole_answer(client: TestClient) -
               for t in e["choices"][0]["logprobs"]["content"]]
     assert text == whole["message"]["content"]
     assert tokens == [t["token"] for t in whole["logprobs"]["content"]]
+
+
+def test_build_draft_from_the_command_line(tiny_model_dir, tmp_path: Path) -> None:
+    model = tiny_model_dir("llama")
+    draft = perturb_model(model, tmp_path / "draft", 0.01)
+    env = {**os.environ, "WARMSTART_STORE": str(tmp_path / "store"), "WARMSTART_CACHE": str(tmp_path / "cache"),
+           "OMP_NUM_THREADS": "1"}
+
+    def warmstart(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+
+    built = warmstart("build", str(model), "--draft", str(draft), "--draft-quant", "int8", "--dtype", "float32",
+                      "--json")
+    assert built.returncode == 0, built.stderr
+    sid = json.loads(built.stdout.strip().splitlines()[-1])["id"]
+    info = json.loads(warmstart("inspect", sid, "--json").stdout.strip().splitlines()[-1])
+    assert info["draft"]["quantization"]["scheme"] == "int8" and info["draft"]["bytes"] > 0
+    other = make_random_model(tmp_path / "other", {**FAMILIES["llama"], "vocab_size": 512}, dtype="float32")
+    refused = warmstart("build", str(model), "--draft", str(other), "--dtype", "float32")
+    assert refused.returncode == 1 and "vocabulary" in refused.stderr and "Traceback" not in refused.stderr
