@@ -88,10 +88,10 @@ def run(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> tuple[flo
 
 
 def make_engine(config: ModelConfig, weights: ModelWeights, draft: ModelWeights | None, spec: str | None,
-                k: int) -> LLMEngine:
+                k: int, adaptive: bool = False) -> LLMEngine:
     dtype = str(weights.embed.dtype).removeprefix("torch.")
     options = EngineOptions(dtype=dtype, num_kv_blocks=512, max_num_seqs=16, speculative=spec,
-                            num_speculative_tokens=k, max_model_len=512)
+                            num_speculative_tokens=k, max_model_len=512, adaptive_speculation=adaptive)
     engine = LLMEngine.from_weights(config, perturbed(weights, 0.0), None, options,
                                     (config, draft) if draft is not None else None)
     if engine.prepack_thread is not None:
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--adaptive", action="store_true", help="also rows with k adapted per sequence")
     args = ap.parse_args()
 
     path = model_dir(args.config)
@@ -118,12 +119,15 @@ def main() -> None:
           f"{args.new_tokens} new tokens each, greedy, torch threads {torch.get_num_threads()}; plain and "
           f"speculative runs alternate, median of {args.repeats}")
     plain = make_engine(config, weights, None, None, args.k)
-    print(f"{'proposer':<24}{'batch':>6}{'accept':>8}{'tok/s':>9}{'plain':>9}{'ratio':>8}")
-    rows = [(f"draft noise {n:g}", "draft", n) for n in args.noise] + [("ngram (repeated prompt)", "ngram", None)]
+    print(f"{'proposer':<26}{'batch':>6}{'accept':>8}{'tok/s':>9}{'plain':>9}{'ratio':>8}")
+    rows = [(f"draft noise {n:g}", "draft", n, False) for n in args.noise]
+    if args.adaptive:
+        rows += [(f"draft noise {n:g} adapt", "draft", n, True) for n in args.noise if n > 0]
+    rows.append(("ngram (repeated prompt)", "ngram", None, False))
     costs: dict[int, tuple[float, float, float]] = {}
-    for label, spec, noise in rows:
+    for label, spec, noise, adaptive in rows:
         draft = perturbed(weights, noise) if noise is not None else None
-        engine = make_engine(config, weights, draft, spec, args.k)
+        engine = make_engine(config, weights, draft, spec, args.k, adaptive)
         timer = ProposeTimer(engine)
         for b in args.batches:
             batch = prompts(b, config.vocab_size, spec == "ngram")
@@ -142,9 +146,9 @@ def main() -> None:
             accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
             rate = accepted / drafted if drafted else float("nan")
             spec_tps, plain_tps = tokens / statistics.median(spec_s), tokens / statistics.median(plain_s)
-            print(f"{label:<24}{b:>6}{rate:>8.2f}{spec_tps:>9.1f}{plain_tps:>9.1f}{spec_tps / plain_tps:>7.2f}x",
+            print(f"{label:<26}{b:>6}{rate:>8.2f}{spec_tps:>9.1f}{plain_tps:>9.1f}{spec_tps / plain_tps:>7.2f}x",
                   flush=True)
-            if noise == 0.0:  # every proposal accepted: each step is one pass of k draft steps + a verification
+            if noise == 0.0 and not adaptive:  # all accepted: each step is one pass of k draft steps + a verification
                 i = spec_s.index(statistics.median(spec_s)) if args.repeats % 2 else 0
                 step_s = statistics.median(plain_s) / (args.new_tokens - 1)
                 costs[b] = ((spec_s[i] - propose_s[i]) / passes[i], propose_s[i] / passes[i] / args.k, step_s)

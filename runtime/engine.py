@@ -20,7 +20,7 @@ from runtime.packed_linear import can_prepack, prepack_in_background
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch, Scheduler
 from runtime.sequence import Sequence, TokenLogprobs
-from runtime.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, lookahead
+from runtime.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.tokenizer import Detokenizer, Tokenizer
 from runtime.weights import ModelWeights, load_weights
 
@@ -46,6 +46,9 @@ class EngineOptions:
     prepack_weights: bool = True  # bf16 on CPU: reorder linear weights once for oneDNN (see packed_linear)
     speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (a draft model); None: off
     num_speculative_tokens: int = 4  # proposals verified per decoding sequence and step
+    # Per sequence, k follows its acceptance (speculative.adapt_k); measured faster at partial acceptance and
+    # the same at full acceptance (benchmarks/speculative.py --adaptive, docs/BENCHMARKS.md).
+    adaptive_speculation: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -317,6 +320,8 @@ class LLMEngine:
         self.spec.num_draft_tokens += len(seq.spec_token_ids)
         self.spec.num_accepted_tokens += num_tokens - 1
         self.spec.num_emitted_tokens += num_tokens
+        if self.options.adaptive_speculation:
+            adapt_k(seq, len(seq.spec_token_ids), num_tokens - 1, self.options.num_speculative_tokens)
         seq.num_computed_tokens += num_kept
         seq.spec_token_ids = []
         seq.spec_probs = None

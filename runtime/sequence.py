@@ -58,6 +58,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     draft_computed: int = 0
+    spec_k: int | None = None  # this sequence's own number of proposals, when adapted to its acceptance
 
     NO_BLOCK = -1
 

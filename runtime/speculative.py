@@ -85,7 +85,15 @@ def lookahead(seq: Sequence, k: int, max_model_len: int) -> int:
     context (the last proposal sits at position num_tokens - 1 + k)."""
     if not seq.params.speculative:
         return 0
+    k = min(k, seq.spec_k or k)
     return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens))
+
+
+def adapt_k(seq: Sequence, proposed: int, accepted: int, k_max: int) -> None:
+    """Per-sequence k from its last verification: one more after a clean sweep, else just past the run
+    that was accepted, so that a sequence the proposer keeps missing stops paying for long proposals."""
+    current = seq.spec_k or k_max
+    seq.spec_k = min(k_max, current + 1) if accepted == proposed else max(1, accepted + 1)
 
 
 class Proposer(Protocol):

@@ -14,7 +14,7 @@ from runtime.engine import EngineOptions, LLMEngine
 from runtime.random_model import make_random_model, perturb_model
 from runtime.sampler import Sampler
 from runtime.sequence import Sequence
-from runtime.speculative import accept, ngram_continuation
+from runtime.speculative import accept, adapt_k, ngram_continuation
 from tests.model_configs import FAMILIES
 from tests.test_engine_matches_transformers import make_prompts
 
@@ -369,3 +369,26 @@ def test_random_draft_never_changes_greedy_output(tmp_path, tiny_model_dir) -> N
     llm = LLM.from_hf(model_dir, dtype="float32", num_kv_blocks=128, speculative="draft", draft_model=other)
     assert generate(llm, prompts, [GREEDY] * len(prompts)) == plain
     assert llm.engine.stats().spec_num_draft_tokens > 0
+
+
+def test_adaptive_k_follows_acceptance_and_keeps_output(tmp_path, tiny_model_dir, draft_dir) -> None:
+    seq = Sequence("r", [1], 1, GREEDY)
+    adapt_k(seq, proposed=4, accepted=1, k_max=4)
+    assert seq.spec_k == 2
+    adapt_k(seq, proposed=2, accepted=2, k_max=4)
+    assert seq.spec_k == 3
+    adapt_k(seq, proposed=3, accepted=0, k_max=4)
+    assert seq.spec_k == 1
+
+    model_dir = tiny_model_dir("qwen2")
+    prompts = make_prompts(FAMILIES["qwen2"]["vocab_size"])
+    plain = generate(LLM.from_hf(model_dir, dtype="float32", num_kv_blocks=128), prompts, [GREEDY] * len(prompts))
+    options = EngineOptions(dtype="float32", num_kv_blocks=128, speculative="draft", num_speculative_tokens=4,
+                            adaptive_speculation=True)
+    other = make_random_model(tmp_path / "other", FAMILIES["qwen2"], seed=7, dtype="float32")
+    for draft in (draft_dir("qwen2", 0.02), other):
+        llm = LLM(LLMEngine.from_hf(model_dir, options, draft))
+        assert generate(llm, prompts, [GREEDY] * len(prompts)) == plain
+    # A draft that is never right is soon asked for one token a step instead of four.
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens < 1.5 * stats.spec_num_drafts
