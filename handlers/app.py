@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,6 +24,9 @@ from handlers.metrics import CONTENT_TYPE
 from handlers.openai_protocol import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
 from handlers.state import ServeState
 
+if TYPE_CHECKING:
+    from runtime.outputs import EngineStats
+
 Parser = Callable[[Any, ServedModel], Generation]
 
 
@@ -35,7 +38,10 @@ def create_app(state: ServeState) -> Starlette:
         return JSONResponse({"status": status}, status_code=503)
 
     async def status(request: Request) -> Response:
-        return JSONResponse(state.status_json())
+        body = state.status_json()
+        if state.healthy and state.service:
+            body["speculative"] = speculative_status(await state.service.llm.stats(), body.get("engine", {}))
+        return JSONResponse(body)
 
     async def metrics(request: Request) -> Response:
         stats = await state.service.llm.stats() if state.healthy and state.service else None
@@ -160,3 +166,10 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 async def _server_error(request: Request, exc: Exception) -> Response:
     body = APIError(500, f"internal error ({type(exc).__name__}); this is a bug, the server log has the details")
     return JSONResponse(body.body(), status_code=500)
+
+
+def speculative_status(stats: EngineStats, engine: dict[str, Any]) -> dict[str, Any]:
+    return {"method": engine.get("speculative"), "num_speculative_tokens": engine.get("num_speculative_tokens"),
+            "num_drafts": stats.spec_num_drafts, "num_draft_tokens": stats.spec_num_draft_tokens,
+            "num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "num_emitted_tokens": stats.spec_num_emitted_tokens, "acceptance_rate": stats.spec_acceptance_rate}

@@ -113,6 +113,16 @@ class _EngineCollector(Collector):
             adapters.add_metric([str(stats.num_adapters), ",".join(stats.running_adapters),
                                  ",".join(stats.waiting_adapters)], time.time())
             yield adapters
+        yield counter("spec_decode_num_drafts", "Speculative verification passes (one per sequence and step).",
+                      stats.spec_num_drafts if stats else 0)
+        yield counter("spec_decode_num_draft_tokens", "Proposed tokens verified by the target.",
+                      stats.spec_num_draft_tokens if stats else 0)
+        yield counter("spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.",
+                      stats.spec_num_accepted_tokens if stats else 0)
+        yield counter("spec_decode_num_emitted_tokens", "Tokens emitted by verification passes: the accepted "
+                      "ones plus one from the target per pass.", stats.spec_num_emitted_tokens if stats else 0)
+        yield gauge("spec_decode_draft_acceptance_rate", "Accepted over proposed tokens, since the start.",
+                    stats.spec_acceptance_rate if stats else 0.0)
         cold = GaugeMetricFamily(PREFIX + "cold_start_seconds", "When each cold-start phase ended, in seconds "
                                  "since the process started.", labels=["phase"])
         for phase, seconds in m.timeline.as_dict()["phases"].items():

@@ -123,7 +123,7 @@ class Generation:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "user", "prefix", "include_stop_str_in_output",
-                 "logprobs", "adapter"}
+                 "logprobs", "adapter", "speculative"}
 # Known fields whose effect is not implemented: accepted only at the value that changes nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v == 0,
@@ -450,6 +450,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             ignore_eos=b.boolean("ignore_eos", False),
             logprobs=logprobs,
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
+            speculative=b.boolean("speculative", True),
         )
     except ValueError as e:  # the runtime's own checks: kept as a second line
         raise bad(str(e)) from None

@@ -35,6 +35,11 @@ def add_command(sub: Any) -> None:
     engine.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default 2048)")
     engine.add_argument("--num-kv-blocks", type=positive_int, help="KV pool size (default: from free memory)")
     engine.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
+    engine.add_argument("--speculative", choices=("ngram", "draft"),
+                        help="speculative decoding: ngram (prompt lookup) or draft (the snapshot's draft model, "
+                             "built with --draft); default off")
+    engine.add_argument("--num-speculative-tokens", type=positive_int,
+                        help="tokens proposed and verified per step and sequence (default 4)")
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-queue", type=non_negative_int, default=256,
                         help="requests that may wait beyond --max-num-seqs before a 429 (default 256)")
@@ -64,7 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url)
     engine_options = {name: getattr(args, name) for name in
-                      ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+                      ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "speculative",
+                       "num_speculative_tokens")
                       if getattr(args, name) is not None}
 
     def load() -> None:

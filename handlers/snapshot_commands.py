@@ -34,6 +34,10 @@ def add_commands(sub: Any) -> None:
                        help="int4/nf4 group size: 32, 64, 128 or 256 (default: the largest that fits, up to 128)")
     build.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     build.add_argument("--block-size", type=positive_int, default=16, help="KV block size the engine will use")
+    build.add_argument("--draft", type=Path, metavar="DRAFT_DIR",
+                       help="a draft model (same tokenizer) for `serve --speculative draft`, stored as its own blobs")
+    build.add_argument("--draft-quant", default="none", help="the draft's quantization: none | int8 | int4 | nf4")
+    build.add_argument("--draft-group-size", type=positive_int, default=None, help="the draft's quantization group")
     build.add_argument("--tag", action="append", default=[], metavar="NAME", help="point this ref at the snapshot")
     _common(build, cache=True)
     build.set_defaults(func=cmd_build)
@@ -120,7 +124,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 quant=args.quant, group_size=args.group_size, dtype=args.dtype, block_size=args.block_size,
                 prefixes=prefixes, adapters=[AdapterSpec.parse(a) for a in args.adapter],
                 adapter_examples=[AdapterSpec.parse(e, "--adapter-examples") for e in args.adapter_examples],
-                lora=args.lora,
+                lora=args.lora, draft=args.draft, draft_quant=args.draft_quant, draft_group_size=args.draft_group_size,
             )
             store = open_store(args.store)
             built = build_snapshot(args.model_dir, options, _cache(args), log=_log(args))
@@ -239,6 +243,8 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
         "adapters": adapter_summaries(m),
         "selector": selector_summary(m),
         "tool": m["provenance"]["tool"],
+        **({"draft": {"architecture": m["draft"]["model"]["architecture"], "quantization": m["draft"]["quantization"],
+                      "bytes": sum(t["nbytes"] for t in m["draft"]["tensors"].values())}} if "draft" in m else {}),
     }
 
 

@@ -122,7 +122,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             "engine": {"dtype": engine.options.dtype, "block_size": engine.blocks.block_size,
                        "num_kv_blocks": engine.blocks.num_blocks, "max_num_seqs": engine.options.max_num_seqs,
                        "max_num_batched_tokens": engine.options.max_num_batched_tokens,
-                       "max_model_len": engine.max_model_len},
+                       "max_model_len": engine.max_model_len, "speculative": engine.options.speculative,
+                       "num_speculative_tokens": engine.options.num_speculative_tokens},
         }
         ready_at = time.monotonic()
         state.set_ready(AsyncLLM(engine), model, info)

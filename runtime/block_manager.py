@@ -147,6 +147,17 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.draft_computed = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past a sequence's computed tokens (the slots of rejected speculative tokens).
+        They hold nothing cacheable, so they go to the front of the free list, to be taken first."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._release(block)
+            if self.ref_counts[block] == 0 and self.block_hash[block] is None:
+                self.free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
 
     def free_outside_window(self, seq: Sequence, window: int) -> None:
         """Let go of blocks no future query can see: all their positions are <= next_position - window."""

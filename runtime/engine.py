@@ -19,14 +19,18 @@ from runtime.model_runner import ModelRunner
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.packed_linear import can_prepack, prepack_in_background
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence
+from runtime.scheduler import ScheduledBatch, Scheduler
+from runtime.sequence import Sequence, TokenLogprobs
+from runtime.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.tokenizer import Detokenizer, Tokenizer
 from runtime.weights import ModelWeights, load_weights
 
 Prompt = str | list[int]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 
 @dataclass
@@ -41,6 +45,11 @@ class EngineOptions:
     kv_cache_memory_fraction: float = 0.25  # of available memory, when sizing the pool
     seed: int | None = None  # for requests without a seed of their own
     prepack_weights: bool = True  # bf16 on CPU: reorder linear weights once for oneDNN (see packed_linear)
+    speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (a draft model); None: off
+    num_speculative_tokens: int = 4  # proposals verified per decoding sequence and step
+    # Per sequence, k follows its acceptance (speculative.adapt_k); measured faster at partial acceptance and
+    # the same at full acceptance (benchmarks/speculative.py --adaptive, docs/BENCHMARKS.md).
+    adaptive_speculation: bool = True
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,24 +57,45 @@ class EngineOptions:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of 'ngram', 'draft' or None, got {self.speculative!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
 
 
 class LLMEngine:
-    def __init__(self, model: Model, tokenizer: Tokenizer | None, options: EngineOptions) -> None:
+    def __init__(
+        self, model: Model, tokenizer: Tokenizer | None, options: EngineOptions, draft: Model | None = None
+    ) -> None:
         options.validate()
         c = model.config
+        self.draft = draft
+        if draft is not None:
+            check_draft_compatible(c, draft.config)
         self.config = c
         self.options = options
         self.tokenizer = tokenizer
         self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         num_blocks = options.num_kv_blocks or self._blocks_from_memory()
         self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.blocks, options.max_num_seqs, options.max_num_batched_tokens, c.uniform_window
-        )
         self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed)
+        self.proposer: Proposer | None = None
+        if options.speculative == "ngram":
+            self.proposer = NgramProposer()
+        elif options.speculative == "draft":
+            if draft is None:
+                raise ValueError("speculative='draft' needs a draft model (build the snapshot with --draft DIR)")
+            self.proposer = DraftProposer(draft, self.blocks, self.runner.sampler)
+        self.scheduler = Scheduler(
+            self.blocks,
+            options.max_num_seqs,
+            options.max_num_batched_tokens,
+            c.uniform_window,
+            self._lookahead if self.proposer is not None else None,
+        )
+        self.spec = SpecStats()
         self.requests: dict[str, tuple[Sequence, Detokenizer | None]] = {}
         self.eos_token_ids = set(c.eos_token_ids)
         self._ids = itertools.count()
@@ -76,24 +106,39 @@ class LLMEngine:
         self.adapter_selector: AdapterSelector | None = None
 
     @classmethod
-    def from_hf(cls, model_dir: str | Path, options: EngineOptions | None = None) -> LLMEngine:
+    def from_hf(
+        cls, model_dir: str | Path, options: EngineOptions | None = None, draft_dir: str | Path | None = None
+    ) -> LLMEngine:
         options = options or EngineOptions()
         options.validate()
         config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir, config, DTYPES[options.dtype])
         tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        return cls.from_weights(config, weights, tokenizer, options)
+        draft = None
+        if draft_dir is not None:
+            draft_config = ModelConfig.from_dir(draft_dir)
+            draft = (draft_config, load_weights(draft_dir, draft_config, DTYPES[options.dtype]))
+        return cls.from_weights(config, weights, tokenizer, options, draft)
 
     @classmethod
     def from_weights(
-        cls, config: ModelConfig, weights: ModelWeights, tokenizer: Tokenizer | None, options: EngineOptions
+        cls,
+        config: ModelConfig,
+        weights: ModelWeights,
+        tokenizer: Tokenizer | None,
+        options: EngineOptions,
+        draft: tuple[ModelConfig, ModelWeights] | None = None,
     ) -> LLMEngine:
-        """From weights already in the engine's layout (a snapshot's mapped tensors)."""
+        """From weights already in the engine's layout (a snapshot's mapped tensors), and a draft model's."""
         options.validate()
         max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        engine = cls(Model(config, weights, max_len), tokenizer, options)
+        draft_model = None
+        if draft is not None:
+            check_draft_compatible(config, draft[0])
+            draft_model = Model(draft[0], draft[1], max_len)
+        engine = cls(Model(config, weights, max_len), tokenizer, options, draft_model)
         if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
-            engine.prepack_thread = prepack_in_background(weights)
+            engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
 
     # -- requests -------------------------------------------------------------------------------------
@@ -209,19 +254,24 @@ class LLMEngine:
         index = torch.tensor([self.blocks.cached[h] for h in hashes], dtype=torch.long)
         return hashes, torch.stack([cache.index_select(2, index) for cache in self.runner.kv_caches])
 
-    def load_prefix(self, token_ids: list[int], hashes: list[int], kv: torch.Tensor) -> None:
+    def load_prefix(
+        self, token_ids: list[int], hashes: list[int], kv: torch.Tensor, draft_kv: torch.Tensor | None = None
+    ) -> None:
         """Put a precomputed prefix's blocks (see prefix_kv) into the pool, pinned and findable by the prefix
-        cache, so that a request starting with ``token_ids`` is served them as a cache hit."""
+        cache, so that a request starting with ``token_ids`` is served them as a cache hit. ``draft_kv``,
+        the draft model's prefix_kv for the same tokens, goes into the draft's pool for the same blocks."""
         bs = self.blocks.block_size
-        expected = (self.config.num_layers, 2, self.config.num_kv_heads, len(hashes), bs, self.config.head_dim)
-        if tuple(kv.shape) != expected or len(token_ids) < len(hashes) * bs:
-            raise ValueError(f"prefix KV of shape {tuple(kv.shape)} for {len(token_ids)} tokens; expected {expected}")
+        _check_prefix_shape(self.config, kv, len(hashes), bs, len(token_ids))
+        if draft_kv is not None and self.draft is not None:
+            _check_prefix_shape(self.draft.config, draft_kv, len(hashes), bs, len(token_ids))
         if hashes != block_hashes(token_ids, bs)[: len(hashes)]:
             raise ValueError("prefix block hashes do not match its token ids")
         if not self.options.enable_prefix_caching or not hashes:
             return
         blocks = self.blocks.take_free(len(hashes))
         self.runner.fill_blocks(blocks, kv)
+        if draft_kv is not None and isinstance(self.proposer, DraftProposer):
+            self.proposer.loaded(blocks, hashes, draft_kv)
         parent = NO_PARENT
         for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
@@ -264,32 +314,90 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled, tokens, logprobs = self.runner.run(batch)
+        if self.proposer is not None:
+            self._propose(batch)
+        results = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            self.prompt_tokens += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
+            if not seq.spec_token_ids:  # a speculating sequence's progress is known after verification
+                self.prompt_tokens += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+                seq.num_computed_tokens += n
+                self.blocks.commit(seq)
+                if self.proposer is not None:
+                    self.blocks.trim(seq)  # slots reserved for proposals that did not come
         now = time.monotonic()
-        outputs = []
-        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
+        return [self._emit(seq, tokens, logprobs, now) for seq, tokens, logprobs in results]
+
+    def _lookahead(self, seq: Sequence) -> int:
+        # The draft model holds no adapter's KV (adapters are compiled for the target), so requests behind an
+        # adapter are verified only by prompt lookup.
+        if seq.adapter is not None and isinstance(self.proposer, DraftProposer):
+            return 0
+        return lookahead(seq, self.options.num_speculative_tokens, self.max_model_len)
+
+    def _propose(self, batch: ScheduledBatch) -> None:
+        """Fill the speculative slots the scheduler gave decoding sequences; shrink them to the proposals."""
+        seqs, limits, rows = [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            room = n - (seq.num_tokens - seq.num_computed_tokens)
+            if room > 0:
+                seqs.append(seq)
+                limits.append(room)
+                rows.append(i)
+        if not seqs:
+            return
+        assert self.proposer is not None
+        self.proposer.propose(seqs, limits)
+        for seq, i in zip(seqs, rows, strict=True):
+            batch.num_tokens[i] = 1 + len(seq.spec_token_ids)
+
+    def _emit(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None], now: float
+    ) -> RequestOutput:
+        """Append a sequence's new tokens one by one, up to the first that finishes it."""
+        detok = self.requests[seq.request_id][1]
+        text = ""
+        emitted: list[int] = []
+        reason = None
+        stopped = False
+        for token, lp in zip(tokens, logprobs, strict=True):
             seq.token_ids.append(token)
+            emitted.append(token)
             self.generation_tokens += 1
             if lp is not None:
                 seq.logprobs.append(lp)
             if seq.timestamps.first_token is None:
                 seq.timestamps.first_token = now
-            detok = self.requests[seq.request_id][1]
             delta = detok.add(token) if detok else None
             stopped = delta is not None and delta.stopped
             reason = "stop" if stopped else self._finish_reason(seq, token)
-            text = delta.text if delta else ""
+            text += delta.text if delta else ""
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-                if detok is not None and not stopped:
-                    text += detok.flush()
-            outputs.append(self._output(seq, detok, [token], text))
-        return outputs
+                break
+        if seq.spec_token_ids:
+            self._settle_speculation(seq, len(tokens), len(emitted))
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+            if detok is not None and not stopped:
+                text += detok.flush()
+        return self._output(seq, detok, emitted, text)
+
+    def _settle_speculation(self, seq: Sequence, num_tokens: int, num_kept: int) -> None:
+        """Count the verification, then roll back: the sequence's KV is good up to its last accepted token
+        (a finishing sequence keeps fewer); later slots' blocks go back to the pool."""
+        self.spec.num_drafts += 1
+        self.spec.num_draft_tokens += len(seq.spec_token_ids)
+        self.spec.num_accepted_tokens += num_tokens - 1
+        self.spec.num_emitted_tokens += num_tokens
+        if self.options.adaptive_speculation:
+            adapt_k(seq, len(seq.spec_token_ids), num_tokens - 1, self.options.num_speculative_tokens)
+        seq.num_computed_tokens += num_kept
+        seq.spec_token_ids = []
+        seq.spec_probs = None
+        self.blocks.commit(seq)
+        self.blocks.trim(seq)
+        assert self.proposer is not None
+        self.proposer.verified(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -335,15 +443,37 @@ class LLMEngine:
             num_adapters=len(self.adapters),
             running_adapters=sorted({s.adapter for s in self.scheduler.running if s.adapter is not None}),
             waiting_adapters=sorted({s.adapter for s in self.scheduler.waiting if s.adapter is not None}),
+            spec_num_drafts=self.spec.num_drafts,
+            spec_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_num_emitted_tokens=self.spec.num_emitted_tokens,
         )
 
     def _blocks_from_memory(self) -> int:
         c, o = self.config, self.options
         elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
         block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
+        if self.draft is not None:  # a block id holds KV in the draft's pool too
+            d = self.draft.config
+            block_bytes += 2 * d.num_layers * o.block_size * d.num_kv_heads * d.head_dim * elem
         budget = int(_available_memory() * o.kv_cache_memory_fraction)
         useful = o.max_num_seqs * -(-self.max_model_len // o.block_size)  # more could never be used at once
         return max(1, min(budget // block_bytes, useful))
+
+
+def check_draft_compatible(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft proposes token ids the target verifies: both must share one vocabulary."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}; "
+            "a draft model must use the target's tokenizer and vocabulary"
+        )
+
+
+def _check_prefix_shape(c: ModelConfig, kv: torch.Tensor, num_blocks: int, block_size: int, num_tokens: int) -> None:
+    expected = (c.num_layers, 2, c.num_kv_heads, num_blocks, block_size, c.head_dim)
+    if tuple(kv.shape) != expected or num_tokens < num_blocks * block_size:
+        raise ValueError(f"prefix KV of shape {tuple(kv.shape)} for {num_tokens} tokens; expected {expected}")
 
 
 def _available_memory() -> int:

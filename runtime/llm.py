@@ -28,6 +28,9 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = None,
         prepack_weights: bool = True,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        draft_model: str | Path | None = None,
     ) -> LLM:
         options = EngineOptions(
             dtype=dtype,
@@ -39,8 +42,10 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             prepack_weights=prepack_weights,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         )
-        return cls(LLMEngine.from_hf(model_dir, options))
+        return cls(LLMEngine.from_hf(model_dir, options, draft_model))
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -10,15 +11,29 @@ from runtime.attention import AttentionGroup, AttentionMetadata
 from runtime.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from runtime.model import Model
 from runtime.sampler import Sampler
-from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledBatch
 from runtime.sequence import Sequence, TokenLogprobs
+from runtime.speculative import verify
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work: a group costs a few ops per
 # layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
 # one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
 GRAPHS_ENV = "WARMSTART_CUDA_GRAPHS"  # "0": no CUDA graphs for decode on the CUDA path
+
+
+@dataclass
+class Chunk:
+    """One sequence's tokens to compute in a forward pass, at positions ``start``.. of its block table."""
+
+    block_table: list[int]
+    token_ids: list[int]
+    start: int
+    num_logits: int  # logits wanted for this many of the chunk's last tokens
+    # Attend each token as a decode query of its own (causal over the chunk, the pool holding its KV first):
+    # a speculative verification then rounds exactly as the one-token steps it stands for, and joins the
+    # batched decode groups instead of costing a group of its own.
+    as_decode_rows: bool = False
 
 
 class ModelRunner:
@@ -47,76 +62,103 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
-        """Compute the batch; return the sequences that reached their last known token and their samples."""
+    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:
+        """Compute the batch; return each sequence that reached its last known token with the tokens it
+        gained: one sampled token, or (speculating) its accepted proposals and one more."""
+        chunks = []
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            start = seq.num_computed_tokens
+            ids = seq.token_ids[start : start + n]
+            ids += seq.spec_token_ids[: n - len(ids)]
+            num_logits = n if seq.spec_token_ids else int(start + n == seq.num_tokens)
+            chunks.append(Chunk(seq.block_table, ids, start, num_logits, as_decode_rows=bool(seq.spec_token_ids)))
+        logits = self.forward(chunks, batch.block_copies).cpu()  # the sampler works on the host
+        plain: list[Sequence] = []
+        plain_rows: list[int] = []
+        plain_index: list[int] = []
+        results: dict[int, tuple[Sequence, list[int], list[TokenLogprobs | None]]] = {}
+        row = 0
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, chunks, strict=True)):
+            if seq.spec_token_ids:
+                results[i] = (seq, *verify(self.sampler, logits[row : row + chunk.num_logits], seq))
+            elif chunk.num_logits:
+                plain.append(seq)
+                plain_rows.append(row)
+                plain_index.append(i)
+            row += chunk.num_logits
+        if plain:
+            tokens, logprobs = self.sampler(logits[plain_rows], plain)
+            for i, seq, token, lp in zip(plain_index, plain, tokens, logprobs, strict=True):
+                results[i] = (seq, [token], [lp])
+        return [results[i] for i in sorted(results)]
+
+    def forward(
+        self,
+        chunks: list[Chunk],
+        copies: list[tuple[int, int]] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write the chunks' KV into the pool; return float32 logits for each chunk's last ``num_logits``
+        tokens, in chunk order. One token over a cached prefix is a decode; more are attended causally.
+        ``copies``: (source, destination) blocks copied first (adapters' partial blocks, see the block
+        manager); ``inputs_embeds`` replaces the tokens' embeddings (soft prompts, at build time)."""
+        copies = copies or []
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_rows: list[int] = []
-        decode_seqs: list[Sequence] = []
+        decode_chunks: list[Chunk] = []
         groups: list[AttentionGroup] = []
         logits_rows: list[int] = []
-        sampled: list[Sequence] = []
         row = 0
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+        for chunk in chunks:
+            start, n, table = chunk.start, len(chunk.token_ids), chunk.block_table
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
-            table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_rows.append(row)
-                decode_seqs.append(seq)
+                decode_chunks.append(chunk)
+            elif chunk.as_decode_rows:
+                decode_rows.extend(range(row, row + n))
+                decode_chunks.extend(Chunk(table, [t], start + i, 0) for i, t in enumerate(chunk.token_ids))
             else:
-                groups.append(self._group(slice(row, row + n), [seq], torch.arange(start, start + n), False))
-            if start + n == seq.num_tokens:
-                logits_rows.append(row + n - 1)
-                sampled.append(seq)
+                groups.append(self._group(slice(row, row + n), [chunk], torch.arange(start, start + n), False))
+            logits_rows.extend(range(row + n - chunk.num_logits, row + n))
             row += n
-        widths = [s.num_computed_tokens // bs + 1 for s in decode_seqs]
+        widths = [c.start // bs + 1 for c in decode_chunks]
         for members in split_by_length(widths, DECODE_GROUP_COST_BLOCKS):
-            seqs = [decode_seqs[i] for i in members]
-            q_pos = torch.tensor([s.num_computed_tokens for s in seqs])
-            groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), seqs, q_pos, True))
+            members_chunks = [decode_chunks[i] for i in members]
+            q_pos = torch.tensor([c.start for c in members_chunks])
+            groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), members_chunks, q_pos, True))
 
-        self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
-        for src, dst in batch.block_copies:
+        self._zero_new_blocks(max(max(c.block_table) for c in chunks))
+        for src, dst in copies:
             for cache in self.kv_caches:
                 cache[:, :, dst] = cache[:, :, src]
-        logits = None
-        if self.graphs is not None and len(decode_seqs) == len(batch.seqs):
-            tables = [[max(b, 0) for b in s.block_table] for s in decode_seqs]
+        if self.graphs is not None and inputs_embeds is None and len(decode_chunks) == len(chunks) == len(input_ids):
+            tables = [[max(b, 0) for b in c.block_table] for c in chunks]
             logits = self.graphs.run(input_ids, positions, slots, tables)
-            logits = logits[logits_rows] if logits is not None else None
-        if logits is None:
-            device = self.device
-            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
-            logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
-            input_tensor = torch.tensor(input_ids, device=device)
-            position_tensor = torch.tensor(positions, device=device)
-            logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
-        if not sampled:
-            return [], [], []
-        tokens, logprobs = self.sampler(logits.cpu(), sampled)  # the sampler works on the host
-        return sampled, tokens, logprobs
+            if logits is not None:
+                return logits[logits_rows]
+        device = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
+        logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        input_tensor = torch.tensor(input_ids, device=device)
+        position_tensor = torch.tensor(positions, device=device)
+        return self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index,
+                                  inputs_embeds=inputs_embeds)
 
     @torch.inference_mode()
     def virtual_tokens_kv(self, embeds: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """Run the model over input embeddings [n, hidden] at positions 0..n-1, writing their KV into
         ``blocks``; return that KV in the pool's layout, [num_layers, 2, kv_heads, len(blocks), block_size,
         head_dim] (soft prompts: see runtime/adapters.py)."""
-        n, bs = embeds.shape[0], self.block_size
-        assert len(blocks) == -(-n // bs)
-        seq = Sequence("virtual-tokens", [0] * n, n, SamplingParams(max_tokens=1), block_table=blocks)
-        group = self._group(slice(0, n), [seq], torch.arange(n), False)
-        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
-        self._zero_new_blocks(max(blocks))
-        meta = AttentionMetadata(slot_mapping=slots, groups=[group])
-        no_logits = torch.empty(0, dtype=torch.long)
-        self.model.forward(torch.zeros(n, dtype=torch.long), torch.arange(n), self.kv_caches, meta, no_logits,
-                           inputs_embeds=embeds.to(self.model.dtype))
-        index = torch.tensor(blocks, dtype=torch.long)
+        n = embeds.shape[0]
+        assert len(blocks) == -(-n // self.block_size)
+        self.forward([Chunk(blocks, [0] * n, 0, 0)], inputs_embeds=embeds.to(self.device, self.model.dtype))
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return torch.stack([cache.index_select(2, index) for cache in self.kv_caches])
 
     def fill_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
@@ -135,16 +177,16 @@ class ModelRunner:
             self.zeroed_blocks = highest_block + 1
 
     def _group(
-        self, rows: slice | torch.Tensor, seqs: list[Sequence], query_positions: torch.Tensor, is_decode: bool
+        self, rows: slice | torch.Tensor, chunks: list[Chunk], query_positions: torch.Tensor, is_decode: bool
     ) -> AttentionGroup:
-        """Block tables of ``seqs``, from the first block any of their queries can see, padded to one width."""
+        """Block tables of ``chunks``, from the first block any of their queries can see, padded to one width."""
         bs = self.block_size
         first = 0
         if self.window is not None:
             first = max(0, int(query_positions.min()) - self.window + 1) // bs
-        end = max(-(-(s.num_computed_tokens + (1 if is_decode else len(query_positions))) // bs) for s in seqs)
+        end = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
         width = max(1, end - first)
-        tables = [[max(b, 0) for b in s.block_table[first:end]] for s in seqs]
+        tables = [[max(b, 0) for b in c.block_table[first:end]] for c in chunks]
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         return AttentionGroup(
             rows=rows,

@@ -37,6 +37,14 @@ class EngineStats:
     num_adapters: int = 0  # compiled adapters loaded
     running_adapters: list[str] = field(default_factory=list)  # distinct adapters of running requests
     waiting_adapters: list[str] = field(default_factory=list)
+    spec_num_drafts: int = 0  # speculative verification passes
+    spec_num_draft_tokens: int = 0  # proposed tokens verified
+    spec_num_accepted_tokens: int = 0
+    spec_num_emitted_tokens: int = 0  # accepted plus one target token per pass
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -41,7 +41,7 @@ def can_prepack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
-def prepack_in_background(weights: ModelWeights) -> threading.Thread:
+def prepack_in_background(*models: ModelWeights) -> threading.Thread:
     """Pack the decoder's float linear layers and the head in place, one by one, on a background thread.
 
     The engine serves from the plain weights meanwhile and picks up each packed one at its next use (the
@@ -50,13 +50,14 @@ def prepack_in_background(weights: ModelWeights) -> threading.Thread:
     """
 
     def pack_all() -> None:
-        for layer in weights.layers:
-            for name in LINEAR_FIELDS:
-                w = getattr(layer, name)
-                if isinstance(w, torch.Tensor):
-                    setattr(layer, name, PackedWeight(w))
-        if isinstance(weights.lm_head, torch.Tensor):
-            weights.lm_head = PackedWeight(weights.lm_head)
+        for weights in models:  # the model, then a speculative draft model if there is one
+            for layer in weights.layers:
+                for name in LINEAR_FIELDS:
+                    w = getattr(layer, name)
+                    if isinstance(w, torch.Tensor):
+                        setattr(layer, name, PackedWeight(w))
+            if isinstance(weights.lm_head, torch.Tensor):
+                weights.lm_head = PackedWeight(weights.lm_head)
 
     # Not a daemon: a process that exits while a reorder is running inside oneDNN aborts (SIGABRT); at exit
     # the interpreter waits for the thread instead (a fraction of a second at most).

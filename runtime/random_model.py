@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "SPECIAL_TOKENS", "CHATML_TEMPLATE", "make_random_model", "main"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES", "SPECIAL_TOKENS", "CHATML_TEMPLATE", "make_random_model", "perturb_model", "main"
+]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -397,6 +399,34 @@ def make_random_model(
         "chat_template": CHATML_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
+def perturb_model(
+    src_dir: str | pathlib.Path, out_dir: str | pathlib.Path, noise: float, seed: int = 0
+) -> pathlib.Path:
+    """Copy an HF model directory with every weight matrix w replaced by w + noise * std(w) * N(0, 1).
+
+    A draft model for speculative decoding whose agreement with the original falls as ``noise`` grows:
+    noise 0 is an exact copy (a draft that is always accepted)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src, out = pathlib.Path(src_dir), pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for path in sorted(src.iterdir()):
+        if path.suffix != ".safetensors":
+            if path.is_file():
+                shutil.copyfile(path, out / path.name)
+            continue
+        tensors = load_file(str(path))
+        for name, t in tensors.items():
+            if t.dim() >= 2 and noise > 0:
+                w = t.float()
+                tensors[name] = (w + noise * w.std() * torch.randn(w.shape, generator=gen)).to(t.dtype)
+        save_file(tensors, str(out / path.name), metadata={"format": "pt"})
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence, TokenLogprobs
 
 
@@ -26,24 +27,32 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
-            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
+            sampled_seqs = [seqs[i] for i in sampled_rows]
+            tokens[rows] = self.draw(self.probs(logits[rows], [p.params for p in sampled_seqs]), sampled_seqs)
         token_list: list[int] = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        return token_list, self.logprobs(logits, token_list, params)
+
+    def logprobs(
+        self, logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+    ) -> list[TokenLogprobs | None]:
+        """Each chosen token's logprob and the top-n, for the rows whose request asked for logprobs."""
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             rows = torch.tensor(wanted)
             lp = torch.log_softmax(logits[rows], dim=-1)
-            chosen = lp.gather(1, tokens[rows][:, None])[:, 0].tolist()
+            chosen = lp.gather(1, torch.tensor([tokens[i] for i in wanted])[:, None])[:, 0].tolist()
             top_n = max(params[i].logprobs or 0 for i in wanted)
             top_vals, top_ids = lp.topk(top_n, dim=-1) if top_n else (lp[:, :0], lp[:, :0].long())
             for j, i in enumerate(wanted):
                 n = params[i].logprobs or 0
                 top = dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
-                logprobs[i] = TokenLogprobs(token_list[i], chosen[j], top)
-        return token_list, logprobs
+                logprobs[i] = TokenLogprobs(tokens[i], chosen[j], top)
+        return logprobs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.params for s in seqs]
+    @staticmethod
+    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k, top-p and min-p applied."""
         x = logits / torch.tensor([p.temperature for p in params])[:, None]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else x.shape[1] for p in params])
         top_p = torch.tensor([p.top_p for p in params])
@@ -54,6 +63,10 @@ class Sampler:
         if (min_p > 0).any():
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row from (unnormalized) ``probs``, row i with seqs[i]'s generator if it has one."""
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
@@ -62,6 +75,10 @@ class Sampler:
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
         return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, seq: Sequence, n: int) -> list[float]:
+        """``n`` draws from U[0, 1), from the request's own generator if it has one."""
+        return torch.rand(n, generator=seq.generator or self.generator).tolist()
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the chosen token is always included)
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: never speculate for this request, even when the engine does
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +53,8 @@ class SamplingParams:
             fail("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            fail("speculative", f"must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

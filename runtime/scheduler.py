@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
@@ -34,11 +35,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         sliding_window: int | None = None,
+        lookahead: Callable[[Sequence], int] | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sliding_window = sliding_window
+        # Speculative tokens a decoding sequence may verify this step, on top of its one (see speculative).
+        # They count against the token budget, and only ever take blocks that are free: never a preemption.
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,7 +64,10 @@ class Scheduler:
             seq = self.running[i]
             if self.sliding_window is not None:
                 self.blocks.free_outside_window(seq, self.sliding_window)
-            wanted = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            wanted = seq.num_tokens - seq.num_computed_tokens
+            if wanted == 1 and self.lookahead is not None:
+                wanted += self.lookahead(seq)
+            wanted = min(wanted, budget)
             while (n := self.blocks.grow(seq, wanted)) == 0:
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -57,6 +57,13 @@ class Sequence:
     adapter: str | None = None
     num_virtual_tokens: int = 0
     virtual_tail_block: int | None = None
+    # Speculative decoding: proposed tokens to verify this step (not yet in token_ids), the draft model's
+    # distributions they were drawn from ([k, vocab]; None for prompt lookup, a point mass), and how many
+    # positions of the draft model's KV are valid in this sequence's blocks.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    draft_computed: int = 0
+    spec_k: int | None = None  # this sequence's own number of proposals, when adapted to its acceptance
 
     NO_BLOCK = -1
 

@@ -67,10 +67,15 @@ class BuildOptions:
     adapters: list[AdapterSpec] = field(default_factory=list)  # PEFT prompt-learning adapters
     adapter_examples: list[AdapterSpec] = field(default_factory=list)  # example queries per adapter, for "auto"
     lora: Path | None = None  # a LoRA adapter merged into the weights
+    draft: Path | None = None  # a draft model's HF directory, for speculative decoding (snapshot.draft)
+    draft_quant: str = "none"
+    draft_group_size: int | None = None
 
     def validate(self) -> None:
         if self.quant not in SCHEMES:
             raise BuildError(f"--quant must be one of {', '.join(SCHEMES)}, got {self.quant!r}")
+        if self.draft_quant not in SCHEMES:
+            raise BuildError(f"--draft-quant must be one of {', '.join(SCHEMES)}, got {self.draft_quant!r}")
         if self.dtype not in DTYPES:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
@@ -148,6 +153,11 @@ def build_snapshot(
         for adapter in prompt_adapters:
             adapters.append(_adapter_entry(adapter, engine, blobs, log))
     selector = _selector_entry(options, tokenizer, weights, blobs, log) if options.adapter_examples else None
+    draft = None
+    if options.draft is not None:
+        from snapshot.draft import build_draft
+
+        draft = build_draft(Path(options.draft), model_dir, config, options, prefixes, blobs, log)
     data: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -170,6 +180,9 @@ def build_snapshot(
                         "block_size": options.block_size, "lora": options.lora is not None},
         },
     }
+    if draft is not None:
+        data["draft"] = draft
+        data["provenance"]["options"].update(draft_quant=options.draft_quant, draft_group_size=options.draft_group_size)
     manifest = Manifest(data)
     cache.add_manifest(manifest.id, manifest.encode())
     return BuiltSnapshot(manifest, blobs.paths)

@@ -119,10 +119,13 @@ def engine_from_manifest(
         )
     mark("mapped")
     _check_fingerprint(m, sid)
-    engine = LLMEngine.from_weights(config, weights, tokenizer, options)
-    for p in m["prefixes"]:
+    draft = _draft(m, mapped, sid) if options.speculative == "draft" else None
+    engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft)
+    draft_kv = m["draft"]["prefix_kv"] if draft is not None else [None] * len(m["prefixes"])
+    for p, d in zip(m["prefixes"], draft_kv, strict=True):
         if p["blob"] is not None:
-            engine.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p))
+            engine.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p),
+                               tensor_view(mapped[d["blob"]], d) if d is not None else None)
         if prefixes_out is not None:
             prefixes_out.append({"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                                     "cached_tokens": len(p["block_hashes"]) * options.block_size})
@@ -181,6 +184,23 @@ def _engine_options(m: dict[str, Any], given: dict[str, Any], sid: str) -> Engin
     if unknown:
         raise SnapshotError(f"unknown engine option(s): {', '.join(unknown)}")
     return EngineOptions(**{**given, **fixed})
+
+
+def _draft(m: dict[str, Any], mapped: dict[str, torch.Tensor], sid: str) -> tuple[ModelConfig, ModelWeights]:
+    """The snapshot's draft model (see snapshot.draft), for speculative="draft"."""
+    d = m.get("draft")
+    if d is None:
+        raise SnapshotError(f"snapshot {sid} has no draft model; rebuild it with `warmstart build ... --draft "
+                            "DRAFT_DIR`, or serve with --speculative ngram")
+    config = ModelConfig.from_dict(d["model"]["config"], source=f"snapshot {sid} draft")
+    tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in d["tensors"].items()}
+    weight_blobs = sorted({t["blob"] for t in d["tensors"].values()})
+    e = m["engine"]
+    mine = kv_fingerprint(weight_blobs, d["quantization"], e["dtype"], e["block_size"], runtime.__version__)
+    if d["prefix_kv"] and mine != d["fingerprint"]:
+        raise SnapshotError(f"snapshot {sid}: its draft's prefix KV is not valid for warmstart {runtime.__version__}"
+                            " with these weights; rebuild it with `warmstart build`")
+    return config, _weights(config, tensors, d.get("quantized", {}))
 
 
 def _check_fingerprint(m: dict[str, Any], sid: str) -> None:

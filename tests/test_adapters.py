@@ -229,3 +229,21 @@ def test_bad_adapter_names_and_flags_are_refused(tmp_path: Path) -> None:
     options = BuildOptions(adapters=[AdapterSpec("a", tmp_path)], adapter_examples=[AdapterSpec("b", tmp_path)])
     with pytest.raises(BuildError, match="--adapter-examples for b, which no --adapter names"):
         options.validate()
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_speculative_decoding_keeps_adapter_outputs(tiny_model_dir, adapters_of, tmp_path: Path,
+                                                    speculative: str) -> None:
+    model_dir = tiny_model_dir("llama")
+    specs = [AdapterSpec(name, path) for name, path in adapters_of("llama").items()]
+    built, plain, _ = build_and_load(model_dir, tmp_path, adapters=specs, draft=model_dir)
+    spec, _ = load_with_report(built.id, store=open_store(str(tmp_path / "store")), cache=tmp_path / "serve-cache",
+                               num_kv_blocks=96, prepack_weights=False, speculative=speculative)
+    batch = [p * 3 for p in prompts("llama", 6, seed=2)]  # repeats give prompt lookup something to propose
+    names: list[str | None] = [*ADAPTERS, None]
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ours = spec.generate(batch, long, adapter=names)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(batch, long, adapter=names)]
+    stats = spec.engine.stats()
+    assert stats.spec_num_drafts > 0  # speculation ran (for the base request at least)
+    assert spec.engine.blocks.num_free_blocks == plain.engine.blocks.num_free_blocks

@@ -1,0 +1,222 @@
+"""Speculative decoding: cheap proposals of a sequence's next tokens, verified by the target in one pass.
+
+A decoding sequence with k proposals computes k + 1 tokens in one step (its last token and the
+proposals, causal over its cached prefix), which gives the target's distribution after each of them.
+The accept/resample rule (Leviathan et al. 2023, Chen et al. 2023) keeps proposal j with probability
+min(1, p(d) / q(d)) and otherwise samples from the normalized positive part of p - q, so every emitted
+token is distributed exactly as the target's sample would be; a proposal from prompt lookup is a point
+mass (q(d) = 1). Greedy requests accept a proposal iff it is the target's argmax, so their output is
+identical to decoding without speculation.
+
+Proposers: prompt lookup (the continuation of the latest earlier match of the sequence's last n-gram)
+and a draft model. The draft model keeps its own KV pool indexed by the target's block ids, so it needs
+no block manager of its own: a sequence's blocks hold the target's KV in one pool and the draft's in
+the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.model import Model
+from runtime.sampler import Sampler
+from runtime.sequence import Sequence, TokenLogprobs
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verification passes (sequences x steps with proposals)
+    num_draft_tokens: int = 0  # proposed tokens verified
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted plus the one the target adds each pass (before stop truncation)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """``logits`` [k + 1, vocab]: the target after the sequence's last token and each of its k proposals.
+    Returns the accepted proposals plus one token from the target, with their logprobs."""
+    params = seq.params
+    drafts = seq.spec_token_ids
+    if params.greedy:
+        best = logits.argmax(dim=-1).tolist()
+        m = 0
+        while m < len(drafts) and drafts[m] == best[m]:
+            m += 1
+        tokens = drafts[:m] + [best[m]]
+    else:
+        p = sampler.probs(logits, [params] * len(logits))
+        tokens = accept(sampler, p / p.sum(dim=-1, keepdim=True), drafts, seq.spec_probs, seq)
+    return tokens, sampler.logprobs(logits[: len(tokens)], tokens, [params] * len(tokens))
+
+
+def accept(
+    sampler: Sampler, p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq: Sequence
+) -> list[int]:
+    """The accept/resample rule. p: [k + 1, vocab] target probabilities; q: [k, vocab] the draft's (None:
+    point masses on the drafts). Randomness comes from the request's generator when it has a seed."""
+    k = len(drafts)
+    index = torch.tensor(drafts)
+    p_draft = p[torch.arange(k), index].tolist()
+    q_draft = q[torch.arange(k), index].tolist() if q is not None else [1.0] * k
+    uniforms = sampler.uniform(seq, k)
+    for j in range(k):
+        if uniforms[j] * q_draft[j] < p_draft[j]:  # u < p/q without dividing by a tiny q
+            continue
+        if q is not None:
+            residual = (p[j] - q[j]).clamp_min(0.0)
+        else:
+            residual = p[j].clone()
+            residual[drafts[j]] = 0.0
+        if float(residual.sum()) <= 0.0:  # p == q: a rejection had probability 0; rounding got here
+            residual = p[j]
+        return drafts[:j] + [int(sampler.draw(residual[None], [seq])[0])]
+    return drafts + [int(sampler.draw(p[k][None], [seq])[0])]
+
+
+def lookahead(seq: Sequence, k: int, max_model_len: int) -> int:
+    """How many proposals are worth verifying for a decoding sequence: none past its max_tokens or the
+    context (the last proposal sits at position num_tokens - 1 + k)."""
+    if not seq.params.speculative:
+        return 0
+    k = min(k, seq.spec_k or k)
+    return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens))
+
+
+def adapt_k(seq: Sequence, proposed: int, accepted: int, k_max: int) -> None:
+    """Per-sequence k from its last verification: one more after a clean sweep, else just past the run
+    that was accepted, so that a sequence the proposer keeps missing stops paying for long proposals."""
+    current = seq.spec_k or k_max
+    seq.spec_k = min(k_max, current + 1) if accepted == proposed else max(1, accepted + 1)
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        """Set each sequence's spec_token_ids (at most its limit; fewer or none is fine), and spec_probs."""
+
+    def verified(self, seq: Sequence) -> None:
+        """Called once the sequence's accepted tokens are computed and its rejected slots rolled back."""
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (longest n first)
+    and propose what followed it."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
+        self.max_n = max_n
+        self.min_n = min_n
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        for seq, k in zip(seqs, limits, strict=True):
+            seq.spec_token_ids = ngram_continuation(seq.token_ids, k, self.max_n, self.min_n)
+            seq.spec_probs = None
+
+    def verified(self, seq: Sequence) -> None:
+        pass
+
+
+def ngram_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = tokens[length - n :]
+        first = pattern[0]
+        for i in range(length - n - 1, -1, -1):
+            if tokens[i] == first and tokens[i : i + n] == pattern:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+class DraftProposer:
+    """A smaller model of the same vocabulary proposes k tokens autoregressively.
+
+    Its KV pool has the target's block ids, so each sequence's block table serves both. The draft's KV is
+    filled lazily: a sequence's first proposal runs the draft over whatever of the sequence it has not
+    seen (the prompt, or tokens decoded without speculation), later ones over the token or two since.
+    Full blocks whose draft KV is known good (computed for verified tokens, or loaded from a snapshot)
+    are remembered by the hash they were registered under, so a prefix-cache hit skips the draft too.
+    """
+
+    def __init__(self, model: Model, blocks: BlockManager, sampler: Sampler) -> None:
+        from runtime.model_runner import Chunk, ModelRunner  # model_runner imports this module
+
+        self.chunk = Chunk
+        self.runner = ModelRunner(model, blocks.num_blocks, blocks.block_size)
+        self.blocks = blocks
+        self.sampler = sampler
+        self.valid: dict[int, int] = {}  # block -> hash of the verified full block whose draft KV it holds
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        bs = self.blocks.block_size
+        chunks = []
+        for seq in seqs:
+            start = self._known(seq)
+            for block in seq.block_table[start // bs :]:  # about to be written
+                self.valid.pop(block, None)
+            # Prompt tokens as the target computed them (a chunk), generated ones as one-token steps: the draft
+            # then rounds as the target did, so a draft equal to the target is always accepted.
+            split = min(max(start, seq.num_prompt_tokens), seq.num_tokens - 1)
+            prompt_part = [self.chunk(seq.block_table, seq.token_ids[start:split], start, 0)] if split > start else []
+            chunks.append([*prompt_part, self.chunk(seq.block_table, seq.token_ids[split:], split, 1, True)])
+            seq.spec_token_ids = []
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        while active:
+            logits = self.runner.forward([c for i in active for c in chunks[i]])
+            for row, i in enumerate(active):
+                seq = seqs[i]
+                token, q = self._sample(logits[row], seq)
+                seq.spec_token_ids.append(token)
+                if q is not None:
+                    probs[i].append(q)
+                position = seq.num_tokens - 1 + len(seq.spec_token_ids)
+                chunks[i] = [self.chunk(seq.block_table, [token], position, 1)]
+            active = [i for i in active if len(seqs[i].spec_token_ids) < limits[i]]
+        for seq, q_rows in zip(seqs, probs, strict=True):
+            seq.spec_probs = torch.stack(q_rows) if q_rows else None
+            # Draft KV is now written for every position before the last proposal.
+            seq.draft_computed = seq.num_tokens - 1 + len(seq.spec_token_ids)
+
+    def verified(self, seq: Sequence) -> None:
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+        # Remember the newly completed full blocks, walking back to the first one already remembered.
+        for i in range(min(seq.draft_computed // self.blocks.block_size, len(seq.block_hashes)) - 1, -1, -1):
+            block = seq.block_table[i]
+            if block == Sequence.NO_BLOCK or self.valid.get(block) == seq.block_hashes[i]:
+                break
+            self.valid[block] = seq.block_hashes[i]
+
+    def loaded(self, blocks: list[int], hashes: list[int], kv: torch.Tensor) -> None:
+        """Draft KV of a snapshot prefix for blocks the target's prefix KV was loaded into."""
+        self.runner.fill_blocks(blocks, kv)
+        self.valid.update(zip(blocks, hashes, strict=True))
+
+    def _known(self, seq: Sequence) -> int:
+        """Positions of the sequence whose draft KV is good: its own progress, or a run of valid cached
+        blocks from the start (after a prefix hit or a preemption). Blocks a sliding window let go are
+        skipped: the draft then attends to less than it would, which costs acceptance, never exactness."""
+        bs = self.blocks.block_size
+        known = min(seq.draft_computed, seq.num_computed_tokens)
+        while known // bs < len(seq.block_table) and seq.block_table[known // bs] == Sequence.NO_BLOCK:
+            known = (known // bs + 1) * bs
+        i = known // bs
+        while (
+            i < len(seq.block_hashes)
+            and seq.block_table[i] != Sequence.NO_BLOCK
+            and self.valid.get(seq.block_table[i]) == seq.block_hashes[i] == self.blocks.block_hash[seq.block_table[i]]
+        ):
+            i += 1
+        return min(max(known, i * bs), seq.num_tokens - 1)
+
+    def _sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
+        if seq.params.greedy:
+            return int(logits.argmax()), None
+        q = self.sampler.probs(logits[None], [seq.params])
+        q = q / q.sum(dim=-1, keepdim=True)
+        return int(self.sampler.draw(q, [seq])[0]), q[0]
