@@ -6,6 +6,8 @@ tables cast to the model dtype) so that float32 outputs match it to rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,8 @@ class Model:
         self.weights = weights
         self.dtype = weights.embed.dtype
         self.rotary = RotaryTables(config, max_positions, self.dtype)
+        # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/tensor_parallel.py).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unsharded
 
     def forward(
         self,
@@ -84,9 +88,13 @@ class Model:
             q, k = apply_rotary(q, k, cos, sin)
             write_kv(kv_caches[i], k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
-            x = x + linear(attn, layer.o_proj)
+            x = x + self.reduce(linear(attn, layer.o_proj))
             h = rms_norm(x, layer.post_norm, eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            x = x + self.reduce(linear(F.silu(gate) * up, layer.down))
         h = rms_norm(x[logits_index], w.norm, eps)
         return linear(h, w.lm_head).float()
+
+
+def _unsharded(partial: torch.Tensor) -> torch.Tensor:
+    return partial

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from runtime.attention import AttentionGroup, AttentionMetadata
@@ -15,6 +18,18 @@ from runtime.sequence import Sequence, TokenLogprobs
 # layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
 # one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
+
+
+@dataclass
+class StepInputs:
+    """Everything one forward pass needs, already as tensors: what tensor-parallel followers receive."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_index: torch.Tensor
+    highest_block: int  # the highest pool block the step touches (zeroed first if never used)
+    block_copies: list[tuple[int, int]]  # (source, destination) blocks copied before the step
 
 
 class ModelRunner:
@@ -32,6 +47,8 @@ class ModelRunner:
         self.zeroed_blocks = 0
         self.sampler = Sampler(seed)
         self.window = c.uniform_window
+        # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
+        self.before_step: Callable[[StepInputs], None] | None = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
@@ -67,18 +84,30 @@ class ModelRunner:
             q_pos = torch.tensor([s.num_computed_tokens for s in seqs])
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), seqs, q_pos, True))
 
-        self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
-        for src, dst in batch.block_copies:
-            for cache in self.kv_caches:
-                cache[:, :, dst] = cache[:, :, src]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups)
-        logits_index = torch.tensor(logits_rows, dtype=torch.long)
-        input_tensor, position_tensor = torch.tensor(input_ids), torch.tensor(positions)
-        logits = self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index)
+        step = StepInputs(
+            input_ids=torch.tensor(input_ids),
+            positions=torch.tensor(positions),
+            meta=AttentionMetadata(slot_mapping=torch.tensor(slots), groups=groups),
+            logits_index=torch.tensor(logits_rows, dtype=torch.long),
+            highest_block=max(max(s.block_table) for s in batch.seqs),
+            block_copies=list(batch.block_copies),
+        )
+        logits = self.execute(step)
         if not sampled:
             return [], [], []
         tokens, logprobs = self.sampler(logits, sampled)
         return sampled, tokens, logprobs
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        """Prepare the pool for the step and run it; returns the logits of ``step.logits_index``'s rows."""
+        if self.before_step is not None:
+            self.before_step(step)
+        self._zero_new_blocks(step.highest_block)
+        for src, dst in step.block_copies:
+            for cache in self.kv_caches:
+                cache[:, :, dst] = cache[:, :, src]
+        return self.model.forward(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_index)
 
     @torch.inference_mode()
     def virtual_tokens_kv(self, embeds: torch.Tensor, blocks: list[int]) -> torch.Tensor:
