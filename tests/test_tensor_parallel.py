@@ -65,7 +65,8 @@ def free_port() -> int:
 def sharded_snapshot(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("tp-snapshot")
     (root / "doc.txt").write_text(DOC_TEXT)
-    options = BuildOptions(dtype="float32", tensor_parallel=WORLD, prefixes=[PrefixSpec("doc", root / "doc.txt", "text")])
+    prefixes = [PrefixSpec("doc", root / "doc.txt", "text")]
+    options = BuildOptions(dtype="float32", tensor_parallel=WORLD, prefixes=prefixes)
     built = build_snapshot(tiny_model_dir("llama"), options, BlobCache(root / "build-cache"))
     store = open_store(str(root / "store"))
     push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
@@ -169,4 +170,5 @@ def test_heads_that_do_not_divide_are_refused(tiny_model_dir, tmp_path: Path) ->
         build_snapshot(tiny_model_dir("qwen2"), BuildOptions(dtype="float32", tensor_parallel=3),
                        BlobCache(tmp_path / "c"))
     with pytest.raises(BuildError, match="without --quant"):
-        build_snapshot(tiny_model_dir("qwen2"), BuildOptions(quant="int8", tensor_parallel=2), BlobCache(tmp_path / "c"))
+        build_snapshot(tiny_model_dir("qwen2"), BuildOptions(quant="int8", tensor_parallel=2),
+                       BlobCache(tmp_path / "c"))

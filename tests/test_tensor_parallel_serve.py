@@ -1,0 +1,61 @@
+"""`warmstart serve --tensor-parallel 2` as real processes (rank 0 serves HTTP and starts rank 1): output equal to
+the single-rank engine, each rank's cold start in /status and /metrics, and a killed rank taking the server to a
+clean failure (health 503, non-zero exit) instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+
+from runtime.engine import EngineOptions, LLMEngine
+from runtime.sampling_params import SamplingParams
+from snapshot.build import BuildOptions, build_snapshot
+from snapshot.cache import BlobCache
+from snapshot.store import open_store
+from snapshot.transfer import push_snapshot
+from tests.serving import AUTH, REF, ServerProcess, TinySnapshot
+
+PROMPT = [5, 17, 99, 243, 12, 800, 41, 7, 300]
+
+
+def test_two_rank_server_serves_then_fails_cleanly_when_a_rank_dies(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model_dir = tiny_model_dir("llama")
+    built = build_snapshot(model_dir, BuildOptions(dtype="float32", tensor_parallel=2), BlobCache(tmp_path / "build"))
+    store = open_store(str(tmp_path / "store"))
+    push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
+    store.set_ref(REF, built.id)
+    snap = TinySnapshot(built.id, tmp_path / "store", tmp_path / "cache", {})
+    server = ServerProcess(snap, "--tensor-parallel", "2", "--num-kv-blocks", "64", "--max-model-len", "256")
+    try:
+        server.wait_for("ready")
+        r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"model": REF, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        engine = LLMEngine.from_hf(model_dir, EngineOptions(dtype="float32", num_kv_blocks=64))
+        engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        text = ""
+        while engine.has_unfinished():
+            text = engine.step()[-1].text
+        assert r.json()["choices"][0]["text"] == text
+
+        ranks = httpx.get(server.url + "/status", headers=AUTH).json()["tensor_parallel"]["ranks"]
+        # One cache on one machine: a blob both ranks need (embeddings, tokenizer) is pulled by one of them.
+        assert [x["rank"] for x in ranks] == [0, 1] and all(x["bytes_downloaded"] > 0 for x in ranks)
+        assert sum(x["bytes_downloaded"] for x in ranks) == sum(built.manifest.blob_sizes().values())
+        metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+        assert 'warmstart:tensor_parallel_rank_pull_seconds{rank="1"}' in metrics
+        steps = next(line for line in metrics.splitlines() if line.startswith("warmstart:tensor_parallel_steps_total"))
+        assert float(steps.split()[1]) >= 8
+
+        follower = next(e for e in server.events if e.get("event") == "tensor_parallel")["ranks"][0]["pid"]
+        os.kill(follower, signal.SIGKILL)
+        code = server.proc.wait(timeout=30)  # no hang: the watcher notices and the server stops
+        assert code != 0
+        error = next(e for e in server.events if e.get("event") == "error")
+        assert "rank 1 exited" in error["message"]
+    finally:
+        server.stop()
+
