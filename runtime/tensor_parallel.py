@@ -128,9 +128,8 @@ class TensorParallelGroup:
                  backend: str | None = None) -> None:
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world = int(os.environ["WORLD_SIZE"]) if world is None else world
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if self.backend == "nccl" \
-            else torch.device("cpu")
+        # The engine's tensors live on the CPU today, so gloo; NCCL is for when they live on GPUs (untested).
+        self.backend = backend or "gloo"
         dist.init_process_group(self.backend, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)

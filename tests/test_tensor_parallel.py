@@ -22,6 +22,7 @@ from runtime.config import ModelConfig
 from runtime.engine import EngineOptions, LLMEngine
 from runtime.sampling_params import SamplingParams
 from runtime.tensor_parallel import TensorParallelError, shard_config
+from snapshot.adapters import AdapterSpec
 from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.loader import SnapshotError, load_with_report
@@ -42,11 +43,12 @@ def prompts_for(family: str, lengths: list[int], seed: int = 0) -> list[list[int
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def single_rank(model_dir: Path, case: dict[str, Any]) -> list[list[int]]:
-    engine = LLMEngine.from_hf(model_dir, EngineOptions(dtype="float32", **case.get("options", {})))
+def single_rank(model_dir: Path, case: dict[str, Any], engine: LLMEngine | None = None) -> list[list[int]]:
+    engine = engine or LLMEngine.from_hf(model_dir, EngineOptions(dtype="float32", **case.get("options", {})))
     params = SamplingParams(max_tokens=case["max_tokens"], temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(case["prompts"]):
-        engine.add_request(prompt, params, request_id=str(i))
+    adapters = case.get("adapters") or [None] * len(case["prompts"])
+    for i, (prompt, adapter) in enumerate(zip(case["prompts"], adapters, strict=True)):
+        engine.add_request(prompt, params, request_id=str(i), adapter=adapter)
     tokens = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -63,14 +65,25 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sharded_snapshot(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:  # type: ignore[no-untyped-def]
+    """The llama model with a text prefix and two PEFT adapters (5 virtual tokens: a partial block that each
+    request copies; 16: whole blocks), built for 2 ranks, and the same built for 1 as the reference."""
+    from tests.peft_reference import make_adapter
+
     root = tmp_path_factory.mktemp("tp-snapshot")
+    model_dir = tiny_model_dir("llama")
     (root / "doc.txt").write_text(DOC_TEXT)
-    prefixes = [PrefixSpec("doc", root / "doc.txt", "text")]
-    options = BuildOptions(dtype="float32", tensor_parallel=WORLD, prefixes=prefixes)
-    built = build_snapshot(tiny_model_dir("llama"), options, BlobCache(root / "build-cache"))
+    adapters = [AdapterSpec("prompt", make_adapter(model_dir, root / "prompt", "PromptTuningConfig", seed=0,
+                                                   num_virtual_tokens=5)),
+                AdapterSpec("prefix", make_adapter(model_dir, root / "prefix", "PrefixTuningConfig", seed=1,
+                                                   num_virtual_tokens=16))]
+    options = BuildOptions(dtype="float32", prefixes=[PrefixSpec("doc", root / "doc.txt", "text")], adapters=adapters)
+    single = build_snapshot(model_dir, options, BlobCache(root / "single-cache"))
+    options.tensor_parallel = WORLD
+    built = build_snapshot(model_dir, options, BlobCache(root / "build-cache"))
     store = open_store(str(root / "store"))
     push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
-    return SimpleNamespace(id=built.id, store=str(root / "store"), root=root, manifest=built.manifest)
+    return SimpleNamespace(id=built.id, store=str(root / "store"), root=root, manifest=built.manifest,
+                           single=single)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +98,8 @@ def cases(tiny_model_dir, sharded_snapshot) -> list[dict[str, Any]]:  # type: ig
     prefix = list(sharded_snapshot.manifest.data["prefixes"][0]["token_ids"])
     out.append({"family": "llama", "name": "snapshot", "snapshot": sharded_snapshot.id,
                 "store": sharded_snapshot.store, "cache": str(sharded_snapshot.root / "cache-{rank}"),
-                "prompts": [prefix + p for p in prompts_for("llama", [4, 9], seed=2)], "max_tokens": 6,
-                "options": {"num_kv_blocks": 64}})
+                "prompts": [prefix + p for p in prompts_for("llama", [4, 9], seed=2)] + prompts_for("llama", [6, 20]),
+                "adapters": [None, None, "prompt", "prefix"], "max_tokens": 6, "options": {"num_kv_blocks": 64}})
     out.append({"family": "llama", "name": "follower_dies", "follower_dies": True,
                 "model_dir": str(tiny_model_dir("llama")), "prompts": prompts_for("llama", [7]), "max_tokens": 4,
                 "options": {"num_kv_blocks": 16}})
@@ -130,12 +143,14 @@ def test_preemption_under_tensor_parallelism(cases, results) -> None:  # type: i
     assert results[i]["tokens"] == single_rank(Path(cases[i]["model_dir"]), cases[i])
 
 
-def test_prefix_hits_from_a_sharded_snapshot(cases, results, sharded_snapshot, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_hits_and_adapters_from_a_sharded_snapshot(cases, results, sharded_snapshot, tmp_path) -> None:  # type: ignore[no-untyped-def]
     i = next(i for i, c in enumerate(cases) if c.get("name") == "snapshot")
     got = results[i]
     prefix_blocks = len(sharded_snapshot.manifest.data["prefixes"][0]["block_hashes"])
-    assert prefix_blocks > 0 and got["cached_tokens"] == [prefix_blocks * 16] * 2
-    assert got["tokens"] == single_rank(tiny_model_dir("llama"), cases[i])
+    assert prefix_blocks > 0 and got["cached_tokens"][:2] == [prefix_blocks * 16] * 2
+    reference, _ = load_with_report(sharded_snapshot.single.id, None, sharded_snapshot.root / "single-cache",
+                                    **cases[i]["options"])
+    assert got["tokens"] == single_rank(Path(), cases[i], reference.engine)
     # Each rank pulled its own blobs only: together more than the shared part, each less than the whole.
     total = sum(sharded_snapshot.manifest.blob_sizes().values())
     pulled = [load["bytes_downloaded"] for load in got["loads"]]

@@ -37,8 +37,9 @@ def make_engine(case: dict[str, Any], group: TensorParallelGroup) -> tuple[LLMEn
 
 def run_requests(engine: LLMEngine, case: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=case["max_tokens"], temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(case["prompts"]):
-        engine.add_request(prompt, params, request_id=str(i))
+    adapters = case.get("adapters") or [None] * len(case["prompts"])
+    for i, (prompt, adapter) in enumerate(zip(case["prompts"], adapters, strict=True)):
+        engine.add_request(prompt, params, request_id=str(i), adapter=adapter)
     tokens: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
     while engine.has_unfinished():
