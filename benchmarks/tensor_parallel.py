@@ -1,15 +1,16 @@
-"""Tensor parallelism on the CPU: per-step time split into compute and communication at 1 and 2 ranks, the cost
-a vocabulary-split head would add, and the bytes each rank pulls at cold start.
+"""Tensor parallelism on the CPU: per-step time split into compute and communication at 1 and 2 ranks, the
+head split by vocabulary against a replicated one, and the bytes each rank pulls at cold start.
 
     python benchmarks/tensor_parallel.py [--model qwen2.5-0.5b] [--batch 8] [--prompt 128] [--steps 8] [--rounds 2]
 
 Qwen2.5-0.5B shape (random weights, bf16; SmolLM2-135M's 3 KV heads do not split in 2). Each round runs, one after
-the other, one process with 2 torch threads (1 rank, the alternative on these 2 cores) and a group of 2 gloo
-ranks of 1 thread each. Each prefills ``--batch`` prompts of ``--prompt`` tokens, then times ``--steps`` decode
-steps; rank 0 times its all-reduces (2 per layer) and its step broadcast. After the run the two ranks also time
-what a vocabulary-split head would add each decode step (an all-reduce of the embeddings, an all-gather of the
-logits) against the half of the head's matmul it would save. ``--bytes`` builds 1- and 2-rank snapshots into a
-temporary cache and prints the bytes each rank pulls. Medians over rounds and steps.
+the other, one process with 2 torch threads (1 rank, the alternative on these 2 cores) and two groups of 2 gloo
+ranks of 1 thread each: the head split by vocabulary (each rank multiplies by half of its rows, rank 0 gathers
+the logits: the default) and replicated (rank 0 computes the whole head). Each prefills ``--batch`` prompts of
+``--prompt`` tokens in one step, then times ``--steps`` decode steps; rank 0 times its all-reduces (2 per layer),
+its logits gather and its step broadcast, and the rest of the step is compute (and the engine's own overhead).
+``--bytes`` builds 1- and 2-rank snapshots into a temporary cache and prints the bytes each rank pulls.
+Medians over rounds and steps.
 """
 
 from __future__ import annotations
@@ -55,10 +56,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         group = TensorParallelGroup(args.rank, args.world, timeout_s=600)
         config = ModelConfig.from_dir(model)
         shard = shard_weights(load_weights(model, config, torch.bfloat16), config, args.rank, args.world)
-        engine = rank_engine(config, shard, None, options, group)
+        engine = rank_engine(config, shard, None, options, group, split_head=not args.replicated_head)
         if not group.is_leader:
             follow(engine.runner, group)
-            vocab_split_costs(engine, group, args)
             return {}
     for i in range(args.batch):
         engine.add_request([100 + i + j for j in range(args.prompt)], SamplingParams(max_tokens=args.steps + 2,
@@ -66,62 +66,30 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     engine.step()  # the whole batch's prefill in one step
     prefill = time.perf_counter() - start
-    steps, reduces, broadcasts = [], [], []
+    keys = ("all_reduce_seconds", "gather_seconds", "broadcast_seconds")
+    steps: list[float] = []
+    comm: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.steps):
-        before = (group.stats.all_reduce_seconds, group.stats.broadcast_seconds) if group else (0.0, 0.0)
+        before = [getattr(group.stats, k) if group else 0.0 for k in keys]
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
-        if group:
-            reduces.append(group.stats.all_reduce_seconds - before[0])
-            broadcasts.append(group.stats.broadcast_seconds - before[1])
-    out = {"prefill_s": prefill, "step_s": statistics.median(steps),
-           "all_reduce_s": statistics.median(reduces) if reduces else 0.0,
-           "broadcast_s": statistics.median(broadcasts) if broadcasts else 0.0}
+        for k, b in zip(keys, before, strict=True):
+            comm[k].append(getattr(group.stats, k) - b if group else 0.0)
     if group is not None:
         group.stop_followers()
-        out.update(vocab_split_costs(engine, group, args))
-    return out
+    return {"prefill_s": prefill, "step_s": statistics.median(steps),
+            **{k: statistics.median(v) for k, v in comm.items()}}
 
 
-def vocab_split_costs(engine: Any, group: Any, args: argparse.Namespace) -> dict[str, float]:
-    """What a vocabulary-split embedding and head would add per decode step, and the matmul they would save."""
-    import torch
-    import torch.distributed as dist
-
-    hidden = engine.config.hidden_size
-    vocab = engine.config.vocab_size
-    head = engine.runner.model.weights.lm_head
-    x = torch.randn(args.batch, hidden, dtype=torch.bfloat16)
-    reduce_t, gather_t, full_t, half_t = [], [], [], []
-    for _ in range(5):
-        t = torch.randn(args.batch, hidden, dtype=torch.bfloat16)
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        reduce_t.append(time.perf_counter() - start)
-        part = torch.randn(args.batch, vocab // group.world, dtype=torch.float32)
-        parts = [torch.empty_like(part) for _ in range(group.world)]
-        start = time.perf_counter()
-        dist.all_gather(parts, part)
-        gather_t.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        torch.nn.functional.linear(x, head)
-        full_t.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        torch.nn.functional.linear(x, head[: vocab // group.world])
-        half_t.append(time.perf_counter() - start)
-    med = statistics.median
-    return {"vocab_split_collectives_s": med(reduce_t) + med(gather_t),
-            "head_matmul_saved_s": med(full_t) - med(half_t)}
-
-
-def run_group(args: argparse.Namespace, world: int, threads: int) -> dict[str, Any]:
+def run_group(args: argparse.Namespace, world: int, threads: int, replicated_head: bool = False) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)}
     base = [sys.executable, __file__, "--worker", "--model", args.model, "--batch", str(args.batch), "--prompt",
-            str(args.prompt), "--steps", str(args.steps), "--world", str(world), "--threads", str(threads)]
+            str(args.prompt), "--steps", str(args.steps), "--world", str(world), "--threads", str(threads),
+            *(["--replicated-head"] if replicated_head else [])]
     procs = [subprocess.Popen([*base, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
              for r in range(world)]
     outs = [p.communicate()[0] for p in procs]
@@ -155,31 +123,32 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--replicated-head", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
     model_dir(SHARED_BENCH / "models" / f"{args.model}.json")  # build the random model once, outside the timing
-    runs: dict[str, list[dict[str, Any]]] = {"1 rank, 2 threads": [], "2 ranks, 1 thread each": []}
+    one, split, whole = "1 rank, 2 threads", "2 ranks, head split", "2 ranks, head whole"
+    runs: dict[str, list[dict[str, Any]]] = {one: [], split: [], whole: []}
     for _ in range(args.rounds):
-        runs["1 rank, 2 threads"].append(run_group(args, 1, 2))
-        runs["2 ranks, 1 thread each"].append(run_group(args, 2, 1))
+        runs[one].append(run_group(args, 1, 2))
+        runs[split].append(run_group(args, 2, 1))
+        runs[whole].append(run_group(args, 2, 1, replicated_head=True))
     med = statistics.median
     print(f"{args.model}, bf16, batch {args.batch} x {args.prompt}-token prompts, {args.steps} decode steps, "
-          f"{args.rounds} rounds (medians)")
-    print(f"{'':<24}{'prefill ms':>11}{'decode step ms':>16}{'all-reduce ms':>15}{'broadcast ms':>14}"
-          f"{'compute ms':>12}{'comm share':>12}")
-    base_step = med(r["step_s"] for r in runs["1 rank, 2 threads"])
+          f"{args.rounds} rounds (medians); 2 ranks: 1 thread each")
+    print(f"{'':<22}{'prefill ms':>11}{'decode ms':>11}{'all-reduce':>12}{'gather':>8}{'broadcast':>11}"
+          f"{'compute':>9}{'comm share':>12}")
     for label, rs in runs.items():
-        step, red, bc = (med(r[k] for r in rs) for k in ("step_s", "all_reduce_s", "broadcast_s"))
-        print(f"{label:<24}{med(r['prefill_s'] for r in rs) * 1e3:>11.1f}{step * 1e3:>16.1f}{red * 1e3:>15.1f}"
-              f"{bc * 1e3:>14.1f}{(step - red - bc) * 1e3:>12.1f}{(red + bc) / step:>12.0%}")
-    two = runs["2 ranks, 1 thread each"]
-    print(f"decode step, 2 ranks vs 1 rank: {base_step / med(r['step_s'] for r in two):.2f}x "
-          "(>1: tensor parallelism is faster)")
-    print(f"a vocabulary-split head would add {med(r['vocab_split_collectives_s'] for r in two) * 1e3:.2f} ms of "
-          f"collectives per decode step to save {med(r['head_matmul_saved_s'] for r in two) * 1e3:.2f} ms of "
-          "head matmul")
+        step, red, gat, bc = (med(r[k] for r in rs) for k in ("step_s", "all_reduce_seconds", "gather_seconds",
+                                                              "broadcast_seconds"))
+        comm = red + gat + bc
+        print(f"{label:<22}{med(r['prefill_s'] for r in rs) * 1e3:>11.1f}{step * 1e3:>11.1f}{red * 1e3:>12.1f}"
+              f"{gat * 1e3:>8.1f}{bc * 1e3:>11.1f}{(step - comm) * 1e3:>9.1f}{comm / step:>12.0%}")
+    step_of = {label: med(r["step_s"] for r in rs) for label, rs in runs.items()}
+    print(f"decode step, 2 ranks (head split) vs 1 rank: {step_of[one] / step_of[split]:.2f}x; head split vs "
+          f"whole at 2 ranks: {step_of[whole] / step_of[split]:.2f}x (>1: the first is faster)")
     if args.bytes:
         snapshot_bytes(args)
 

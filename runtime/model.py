@@ -57,6 +57,8 @@ class Model:
         self.rotary = RotaryTables(config, max_positions, self.dtype)
         # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/tensor_parallel.py).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unsharded
+        # Joins vocabulary-split logits (each tensor-parallel rank computes its slice of the head).
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = _unsharded
 
     def forward(
         self,
@@ -93,7 +95,7 @@ class Model:
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + self.reduce(linear(F.silu(gate) * up, layer.down))
         h = rms_norm(x[logits_index], w.norm, eps)
-        return linear(h, w.lm_head).float()
+        return self.gather_logits(linear(h, w.lm_head).float())
 
 
 def _unsharded(partial: torch.Tensor) -> torch.Tensor:

@@ -3,17 +3,21 @@
 Per decoder layer, QKV is split by columns along heads (each rank gets num_heads / N query heads and
 num_kv_heads / N KV heads, so its KV pool holds only its own heads) and gate/up by columns (each rank's
 gate rows with the matching up rows); o_proj and down are split by rows, and their partial outputs are summed
-by one all-reduce each. Embeddings, norms and the LM head are replicated: the all-reduced hidden states are
-the same on every rank, so rank 0 alone computes logits and samples, and a vocabulary split would add two
-collectives a step (an all-reduce of the embeddings, a gather of the logits) that cost more on gloo than the
-head's matmul they save (see benchmarks/tensor_parallel.py).
+by one all-reduce each. Embeddings, norms and the LM head are stored whole on every rank (the all-reduced
+hidden states are the same everywhere). The head's work is split by vocabulary: each rank multiplies by its
+slice of the head's rows and rank 0 gathers the slices. That one gather of [rows, vocab / N] logits costs less
+than the head's matmul it halves (benchmarks/tensor_parallel.py measures both ways); a vocabulary that does not
+divide by N falls back to rank 0 computing the whole head. The embedding lookup stays local: splitting it too
+would add an all-reduce a step to save only memory and bytes pulled (and the 'auto' adapter selector pools
+the whole embedding table).
 
 Rank 0 runs the scheduler, block manager and sampler. Before each forward pass it broadcasts the step's
-prepared inputs (token ids, positions, slots, attention groups, block copies) as one int64 tensor; the other
-ranks (followers) run the same forward over their shard and skip the head. The broadcast that announces a step
-goes over a control group with no practical timeout (a server may idle for days); everything else uses the
-main group's timeout, so a rank that stops answering fails the step instead of hanging it. A rank whose
-process dies closes its sockets, and gloo then fails the others' collectives at once.
+prepared inputs (token ids, positions, slots, attention groups, block copies, logits rows) as one int64
+tensor; the other ranks (followers) run the same forward over their shard, and only rank 0 samples. The
+broadcast that announces a step goes over a control group with no practical timeout (a server may idle for
+days); everything else uses the main group's timeout, so a rank that stops answering fails the step instead
+of hanging it. A rank whose process dies closes its sockets, and gloo then fails the others' collectives at
+once.
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ class CommStats:
     steps: int = 0
     all_reduce_seconds: float = 0.0  # summed over every step
     last_step_all_reduce_seconds: float = 0.0
-    broadcast_seconds: float = 0.0
+    broadcast_seconds: float = 0.0  # rank 0 sending the step's inputs
+    gather_seconds: float = 0.0  # the vocabulary-split logits
 
 
 class TensorParallelGroup:
@@ -137,6 +142,7 @@ class TensorParallelGroup:
         self._step_reduce = 0.0
         self._reduces_per_step = 0
         self._reduces = 0
+        self.split_head = False
 
     @property
     def is_leader(self) -> bool:
@@ -155,9 +161,22 @@ class TensorParallelGroup:
             self._step_reduce, self._reduces = 0.0, 0
         return partial
 
-    def attach(self, model: Model) -> None:
+    def gather_logits(self, partial: torch.Tensor) -> torch.Tensor:
+        """Rank 0: every rank's vocabulary slice of the logits, joined in order; followers get their own back."""
+        start = time.perf_counter()
+        partial = partial.contiguous()
+        parts = [torch.empty_like(partial) for _ in range(self.world)] if self.is_leader else None
+        dist.gather(partial, parts, dst=0)
+        self.stats.gather_seconds += time.perf_counter() - start
+        return torch.cat(parts, dim=-1) if parts is not None else partial
+
+    def attach(self, model: Model, split_head: bool) -> None:
+        """Hook this rank's model into the group; ``split_head``: its lm_head is this rank's vocabulary slice."""
         model.reduce = self.all_reduce
         self._reduces_per_step = 2 * len(model.weights.layers)
+        self.split_head = split_head
+        if split_head:
+            model.gather_logits = self.gather_logits
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (e.g. KV blocks each rank's memory allows)."""
@@ -199,33 +218,36 @@ class TensorParallelGroup:
 
 
 def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer | None, options: EngineOptions,
-                group: TensorParallelGroup) -> LLMEngine:
+                group: TensorParallelGroup, split_head: bool = True) -> LLMEngine:
     """This rank's engine over its ``shard`` of the model ``config`` describes. Every rank gets the same number
     of KV blocks (the fewest any rank's memory allows), so that rank 0's block ids mean the same everywhere.
-    Rank 0's runner sends each step to the followers; the caller runs ``follow`` on the others."""
+    Rank 0's runner sends each step to the followers; the caller runs ``follow`` on the others.
+
+    ``split_head``: each rank computes the logits of its slice of the vocabulary (when it divides by the rank
+    count), rank 0 gathers them; otherwise rank 0 computes them all."""
     options.validate()
     local = shard_config(config, group.world)
     if options.num_kv_blocks is None:
         max_len = min(options.max_model_len or local.max_position_embeddings, local.max_position_embeddings)
         options = replace(options, num_kv_blocks=group.min_int(kv_blocks_for_memory(local, options, max_len)))
+    split_head = split_head and config.vocab_size % group.world == 0 and isinstance(shard.lm_head, torch.Tensor)
+    if split_head:
+        rows = config.vocab_size // group.world
+        assert isinstance(shard.lm_head, torch.Tensor)
+        shard = replace(shard, lm_head=shard.lm_head[group.rank * rows : (group.rank + 1) * rows])  # a view
     engine = LLMEngine.from_weights(local, shard, tokenizer, options)
+    group.attach(engine.runner.model, split_head)
     if group.is_leader:
-        lead(engine.runner, group)
-    else:
-        group.attach(engine.runner.model)
+        engine.runner.before_step = group.send_step
     return engine
-
-
-def lead(runner: ModelRunner, group: TensorParallelGroup) -> None:
-    """Rank 0: every step the runner executes is sent to the followers first."""
-    group.attach(runner.model)
-    runner.before_step = group.send_step
 
 
 def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:
     """Followers: run rank 0's steps over this rank's shard until it stops the group (or a collective fails)."""
-    group.attach(runner.model)
+    no_logits = torch.empty(0, dtype=torch.long)
     while (step := group.receive_step()) is not None:
+        if not group.split_head:
+            step.logits_index = no_logits  # rank 0 computes the whole head
         runner.execute(step)
 
 
@@ -233,11 +255,11 @@ def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:
 
 
 def encode_step(step: StepInputs) -> torch.Tensor:
-    """Everything a follower needs, flattened; the logits rows are left out (followers compute no logits)."""
+    """Everything a follower needs, flattened into one tensor."""
     n = step.input_ids.numel()
     parts: list[torch.Tensor | list[int]] = [
-        [n, step.highest_block, len(step.block_copies), len(step.meta.groups)],
-        step.input_ids, step.positions, step.meta.slot_mapping,
+        [n, step.highest_block, len(step.block_copies), len(step.meta.groups), step.logits_index.numel()],
+        step.input_ids, step.positions, step.meta.slot_mapping, step.logits_index,
         [i for pair in step.block_copies for i in pair],
     ]
     for g in step.meta.groups:
@@ -260,8 +282,8 @@ def decode_step(payload: torch.Tensor) -> StepInputs:
         at += k
         return payload[at - k : at]
 
-    n, highest, copies, num_groups = take(4).tolist()
-    input_ids, positions, slots = take(n), take(n), take(n)
+    n, highest, copies, num_groups, num_logits = take(5).tolist()
+    input_ids, positions, slots, logits_index = take(n), take(n), take(n), take(num_logits)
     flat_copies = take(2 * copies).tolist()
     groups = []
     for _ in range(num_groups):
@@ -272,6 +294,6 @@ def decode_step(payload: torch.Tensor) -> StepInputs:
                                      is_decode=bool(is_decode), block_size=block_size))
     return StepInputs(
         input_ids=input_ids, positions=positions, meta=AttentionMetadata(slot_mapping=slots, groups=groups),
-        logits_index=torch.empty(0, dtype=torch.long), highest_block=highest,
+        logits_index=logits_index, highest_block=highest,
         block_copies=[(flat_copies[i], flat_copies[i + 1]) for i in range(0, len(flat_copies), 2)],
     )

@@ -95,6 +95,8 @@ def cases(tiny_model_dir, sharded_snapshot) -> list[dict[str, Any]]:  # type: ig
     out.append({"family": "llama", "name": "preemption", "model_dir": str(tiny_model_dir("llama")),
                 "prompts": prompts_for("llama", [10, 11, 9, 10], seed=1), "max_tokens": 12,
                 "options": PREEMPT_OPTIONS})
+    out.append({"family": "qwen2", "name": "whole_head", "split_head": False, "model_dir": str(tiny_model_dir("qwen2")),
+                "prompts": prompts_for("qwen2", [5, 30]), "max_tokens": 6, "options": FAMILY_OPTIONS})
     prefix = list(sharded_snapshot.manifest.data["prefixes"][0]["token_ids"])
     out.append({"family": "llama", "name": "snapshot", "snapshot": sharded_snapshot.id,
                 "store": sharded_snapshot.store, "cache": str(sharded_snapshot.root / "cache-{rank}"),
@@ -134,7 +136,13 @@ def test_greedy_output_equals_single_rank(family: str, cases, results) -> None: 
     assert got["tokens"] == single_rank(Path(case["model_dir"]), case)
     config = ModelConfig.from_dir(case["model_dir"])
     assert got["kv_heads"] == config.num_kv_heads // WORLD  # each rank's pool holds only its own KV heads
-    assert got["steps"] > 0
+    assert got["steps"] > 0 and got["gather_seconds"] > 0  # the head is split by vocabulary
+
+
+def test_head_computed_whole_by_rank_0(cases, results) -> None:  # type: ignore[no-untyped-def]
+    i = next(i for i, c in enumerate(cases) if c.get("name") == "whole_head")
+    assert results[i]["gather_seconds"] == 0
+    assert results[i]["tokens"] == single_rank(Path(cases[i]["model_dir"]), cases[i])
 
 
 def test_preemption_under_tensor_parallelism(cases, results) -> None:  # type: ignore[no-untyped-def]

@@ -32,7 +32,8 @@ def make_engine(case: dict[str, Any], group: TensorParallelGroup) -> tuple[LLMEn
         return llm.engine, {"bytes_downloaded": report.bytes_downloaded, "blobs_total": report.blobs_total}
     config = ModelConfig.from_dir(case["model_dir"])
     shard = shard_weights(load_weights(case["model_dir"], config, torch.float32), config, group.rank, group.world)
-    return rank_engine(config, shard, None, EngineOptions(dtype="float32", **options), group), {}
+    split_head = case.get("split_head", True)
+    return rank_engine(config, shard, None, EngineOptions(dtype="float32", **options), group, split_head), {}
 
 
 def run_requests(engine: LLMEngine, case: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +72,9 @@ def main(spec_path: str) -> int:
                     results.append({"error": str(e), "seconds": time.monotonic() - started})
                 break
             results.append({**run_requests(engine, case), "loads": loads,
-                            "kv_heads": engine.runner.kv_caches[0].shape[1], "steps": group.stats.steps})
+                            "kv_heads": engine.runner.kv_caches[0].shape[1], "steps": group.stats.steps,
+                            "gather_seconds": group.stats.gather_seconds})
+            group.stats.gather_seconds = 0.0
             group.stop_followers()
         elif case.get("follower_dies"):
             os._exit(3)
