@@ -4,11 +4,12 @@ head split by vocabulary against a replicated one, and the bytes each rank pulls
     python benchmarks/tensor_parallel.py [--model qwen2.5-0.5b] [--batch 8] [--prompt 128] [--steps 8] [--rounds 2]
 
 Qwen2.5-0.5B shape (random weights, bf16; SmolLM2-135M's 3 KV heads do not split in 2). Each round runs, one after
-the other, one process with 2 torch threads (1 rank, the alternative on these 2 cores) and two groups of 2 gloo
-ranks of 1 thread each: the head split by vocabulary (each rank multiplies by half of its rows, rank 0 gathers
-the logits: the default) and replicated (rank 0 computes the whole head). Each prefills ``--batch`` prompts of
-``--prompt`` tokens in one step, then times ``--steps`` decode steps; rank 0 times its all-reduces (2 per layer),
-its logits gather and its step broadcast, and the rest of the step is compute (and the engine's own overhead).
+the other, one process with 2 torch threads (1 rank, the alternative on these 2 cores), one with 1 thread, and
+two groups of 2 gloo ranks of 1 thread each: the head split by vocabulary (each rank multiplies by half of its
+rows, rank 0 gathers the logits: the default) and whole (rank 0 computes the whole head). Each prefills
+``--batch`` prompts of ``--prompt`` tokens in one step, then times ``--steps`` decode steps; rank 0 times its
+all-reduces (2 per layer), its logits gather and its step broadcast, and the rest of the step is compute (and
+the engine's own overhead).
 ``--bytes`` builds 1- and 2-rank snapshots into a temporary cache and prints the bytes each rank pulls.
 Medians over rounds and steps.
 """
@@ -129,10 +130,12 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     model_dir(SHARED_BENCH / "models" / f"{args.model}.json")  # build the random model once, outside the timing
-    one, split, whole = "1 rank, 2 threads", "2 ranks, head split", "2 ranks, head whole"
-    runs: dict[str, list[dict[str, Any]]] = {one: [], split: [], whole: []}
+    one, one_thread = "1 rank, 2 threads", "1 rank, 1 thread"
+    split, whole = "2 ranks, head split", "2 ranks, head whole"
+    runs: dict[str, list[dict[str, Any]]] = {one: [], one_thread: [], split: [], whole: []}
     for _ in range(args.rounds):
         runs[one].append(run_group(args, 1, 2))
+        runs[one_thread].append(run_group(args, 1, 1))
         runs[split].append(run_group(args, 2, 1))
         runs[whole].append(run_group(args, 2, 1, replicated_head=True))
     med = statistics.median
@@ -147,8 +150,9 @@ def main() -> None:
         print(f"{label:<22}{med(r['prefill_s'] for r in rs) * 1e3:>11.1f}{step * 1e3:>11.1f}{red * 1e3:>12.1f}"
               f"{gat * 1e3:>8.1f}{bc * 1e3:>11.1f}{(step - comm) * 1e3:>9.1f}{comm / step:>12.0%}")
     step_of = {label: med(r["step_s"] for r in rs) for label, rs in runs.items()}
-    print(f"decode step, 2 ranks (head split) vs 1 rank: {step_of[one] / step_of[split]:.2f}x; head split vs "
-          f"whole at 2 ranks: {step_of[whole] / step_of[split]:.2f}x (>1: the first is faster)")
+    print(f"decode step, 2 ranks (head split) vs 1 rank: {step_of[one] / step_of[split]:.2f}x (2 threads), "
+          f"{step_of[one_thread] / step_of[split]:.2f}x (1 thread); head split vs whole at 2 ranks: "
+          f"{step_of[whole] / step_of[split]:.2f}x (>1: the first is faster)")
     if args.bytes:
         snapshot_bytes(args)
 

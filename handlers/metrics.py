@@ -128,6 +128,8 @@ def _tensor_parallel_metrics(rank_loads: list[dict[str, Any]], comm: CommStats) 
     yield CounterMetricFamily(PREFIX + "tensor_parallel_all_reduce_seconds", "Seconds rank 0 spent in the "
                               "decoder's all-reduces, over all steps (divide by the steps counter for a mean).",
                               value=comm.all_reduce_seconds)
+    yield CounterMetricFamily(PREFIX + "tensor_parallel_gather_seconds", "Seconds rank 0 spent gathering the "
+                              "vocabulary-split logits, over all steps.", value=comm.gather_seconds)
     yield CounterMetricFamily(PREFIX + "tensor_parallel_steps", "Forward steps run across the tensor-parallel group.",
                               value=comm.steps)
     yield GaugeMetricFamily(PREFIX + "tensor_parallel_last_step_all_reduce_seconds",

@@ -120,10 +120,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         state.shutdown()
-        end_followers(ranks)
+        follower_codes = end_followers(ranks)
     if state.status == "failed":
         raise CliError(state.error or "the snapshot failed to load")
-    print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4)})
+    print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4),
+                     **({"follower_exit_codes": follower_codes} if follower_codes else {})})
     return 0
 
 

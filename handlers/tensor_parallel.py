@@ -124,8 +124,8 @@ def watch(plan: RankPlan, state: ServeState, stop: Callable[[str], None], stoppi
     threading.Thread(target=loop, name="warmstart-rank-watch", daemon=True).start()
 
 
-def end_followers(plan: RankPlan, grace_s: float = 10.0) -> None:
-    """Wait for followers told to stop; kill any that do not exit in ``grace_s``."""
+def end_followers(plan: RankPlan, grace_s: float = 10.0) -> list[int]:
+    """Wait for followers told to stop, killing any that do not exit in ``grace_s``; their exit codes."""
     deadline = time.monotonic() + grace_s
     for proc in plan.followers:
         try:
@@ -133,3 +133,4 @@ def end_followers(plan: RankPlan, grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    return [proc.returncode for proc in plan.followers]

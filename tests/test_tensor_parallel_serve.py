@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -21,13 +22,17 @@ from tests.serving import AUTH, REF, ServerProcess, TinySnapshot
 PROMPT = [5, 17, 99, 243, 12, 800, 41, 7, 300]
 
 
-def test_two_rank_server_serves_then_fails_cleanly_when_a_rank_dies(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    model_dir = tiny_model_dir("llama")
-    built = build_snapshot(model_dir, BuildOptions(dtype="float32", tensor_parallel=2), BlobCache(tmp_path / "build"))
-    store = open_store(str(tmp_path / "store"))
+def tp_snapshot(model_dir: Path, root: Path):  # type: ignore[no-untyped-def]
+    built = build_snapshot(model_dir, BuildOptions(dtype="float32", tensor_parallel=2), BlobCache(root / "build"))
+    store = open_store(str(root / "store"))
     push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
     store.set_ref(REF, built.id)
-    snap = TinySnapshot(built.id, tmp_path / "store", tmp_path / "cache", {})
+    return built, TinySnapshot(built.id, root / "store", root / "cache", {})
+
+
+def test_two_rank_server_serves_then_fails_cleanly_when_a_rank_dies(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model_dir = tiny_model_dir("llama")
+    built, snap = tp_snapshot(model_dir, tmp_path)
     server = ServerProcess(snap, "--tensor-parallel", "2", "--num-kv-blocks", "64", "--max-model-len", "256")
     try:
         server.wait_for("ready")
@@ -59,3 +64,17 @@ def test_two_rank_server_serves_then_fails_cleanly_when_a_rank_dies(tiny_model_d
     finally:
         server.stop()
 
+
+
+def test_sigterm_stops_every_rank_cleanly(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _, snap = tp_snapshot(tiny_model_dir("qwen3"), tmp_path)
+    server = ServerProcess(snap, "--tensor-parallel", "2", "--num-kv-blocks", "32", "--max-model-len", "128")
+    try:
+        server.wait_for("ready")
+        assert server.stop() == 0
+        deadline = time.monotonic() + 10  # the reader thread may still be on the last lines
+        while not any(e.get("event") == "stopped" for e in server.events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert next(e for e in server.events if e.get("event") == "stopped")["follower_exit_codes"] == [0]
+    finally:
+        server.stop()
