@@ -4,8 +4,11 @@ clean failure (health 503, non-zero exit) instead of a hang."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from snapshot.build import BuildOptions, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.store import open_store
 from snapshot.transfer import push_snapshot
-from tests.serving import AUTH, REF, ServerProcess, TinySnapshot
+from tests.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot
 
 PROMPT = [5, 17, 99, 243, 12, 800, 41, 7, 300]
 
@@ -36,6 +39,9 @@ def test_two_rank_server_serves_then_fails_cleanly_when_a_rank_dies(tiny_model_d
     server = ServerProcess(snap, "--tensor-parallel", "2", "--num-kv-blocks", "64", "--max-model-len", "256")
     try:
         server.wait_for("ready")
+        mapped = next(e for e in server.events if e.get("phase") == "mapped")  # every rank's own cold start
+        assert [sorted(r) for r in mapped["ranks"]] == [["blobs_total", "bytes_downloaded", "map_seconds",
+                                                         "pull_seconds", "rank"]] * 2
         r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
                        json={"model": REF, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
@@ -78,3 +84,21 @@ def test_sigterm_stops_every_rank_cleanly(tiny_model_dir, tmp_path: Path) -> Non
         assert next(e for e in server.events if e.get("event") == "stopped")["follower_exit_codes"] == [0]
     finally:
         server.stop()
+
+
+def test_build_and_inspect_on_the_command_line(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = {**os.environ, "WARMSTART_STORE": str(tmp_path / "store"), "WARMSTART_CACHE": str(tmp_path / "cache"),
+           "OMP_NUM_THREADS": "1"}
+
+    def warmstart(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True, env=env,
+                              timeout=300, cwd=REPO)
+
+    model = tiny_model_dir("llama")  # 4 heads, 2 KV heads of 48, hidden 96
+    built = warmstart("build", str(model), "--dtype", "float32", "--tensor-parallel", "2", "--tag", "tp2", "--json")
+    assert built.returncode == 0, built.stderr
+    info = json.loads(warmstart("inspect", "tp2", "--json").stdout.splitlines()[-1])
+    assert info["tensor_parallel"] == 2 and info["tensors"]["layers.0.qkv"]["shape"] == [(4 + 2 * 2) * 48 // 2, 96]
+    assert len(info["bytes_per_rank"]) == 2 and all(b < info["bytes"] for b in info["bytes_per_rank"])
+    refused = warmstart("build", str(model), "--tensor-parallel", "3")
+    assert refused.returncode == 1 and "num_key_value_heads=2" in refused.stderr and "Traceback" not in refused.stderr
