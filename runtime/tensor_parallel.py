@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,12 @@ from runtime.config import ModelConfig
 from runtime.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
 from runtime.model import Model
 from runtime.model_runner import ModelRunner, StepInputs
+from runtime.quant import Int8Weight
 from runtime.tokenizer import Tokenizer
 from runtime.weights import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from runtime.weights import LinearWeight
 
 DEFAULT_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT = timedelta(days=365)
@@ -72,39 +77,56 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
 
 
 def shard_weights(weights: ModelWeights, config: ModelConfig, rank: int, world: int) -> ModelWeights:
-    """Rank ``rank``'s part of unsharded, unquantized weights in the engine layout (see the module docstring)."""
+    """Rank ``rank``'s part of weights in the engine layout (see the module docstring): plain, or int8.
+
+    int8 scales are per output channel, so a shard of an int8 matrix is exactly the int8 of the shard: its rows
+    keep their scales, and a slice of its columns keeps every row's scale. Group-wise int4 and nf4 are refused."""
     check_divisible(config, world)
     if not 0 <= rank < world:
         raise TensorParallelError(f"rank {rank} is outside a group of {world}")
     c = config
     q_rows, kv_rows = c.q_size // world, c.kv_size // world
     inter = c.intermediate_size // world
-
-    def rows(t: torch.Tensor, *spans: tuple[int, int]) -> torch.Tensor:
-        return torch.cat([t[start : start + n] for start, n in spans]).contiguous()
-
     qkv_spans = ((rank * q_rows, q_rows), (c.q_size + rank * kv_rows, kv_rows),
                  (c.q_size + c.kv_size + rank * kv_rows, kv_rows))
     layers = []
-    for i, layer in enumerate(weights.layers):
-        linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        if not all(isinstance(w, torch.Tensor) for w in linears):
-            raise TensorParallelError(f"layer {i} is quantized; tensor parallelism splits unquantized weights "
-                                      "(build without --quant)")
-        assert isinstance(layer.qkv, torch.Tensor) and isinstance(layer.o_proj, torch.Tensor)
-        assert isinstance(layer.gate_up, torch.Tensor) and isinstance(layer.down, torch.Tensor)
+    for layer in weights.layers:
         layers.append(LayerWeights(
             input_norm=layer.input_norm,
-            qkv=rows(layer.qkv, *qkv_spans),
-            qkv_bias=None if layer.qkv_bias is None else rows(layer.qkv_bias, *qkv_spans),
+            qkv=_rows(layer.qkv, qkv_spans),
+            qkv_bias=None if layer.qkv_bias is None else _rows(layer.qkv_bias, qkv_spans),
             q_norm=layer.q_norm,  # per head_dim: the same for every head
             k_norm=layer.k_norm,
-            o_proj=layer.o_proj[:, rank * q_rows : (rank + 1) * q_rows].contiguous(),
+            o_proj=_columns(layer.o_proj, rank * q_rows, q_rows),
             post_norm=layer.post_norm,
-            gate_up=rows(layer.gate_up, (rank * inter, inter), (c.intermediate_size + rank * inter, inter)),
-            down=layer.down[:, rank * inter : (rank + 1) * inter].contiguous(),
+            gate_up=_rows(layer.gate_up, ((rank * inter, inter), (c.intermediate_size + rank * inter, inter))),
+            down=_columns(layer.down, rank * inter, inter),
         ))
     return ModelWeights(embed=weights.embed, layers=layers, norm=weights.norm, lm_head=weights.lm_head)
+
+
+def _rows(w: LinearWeight, spans: tuple[tuple[int, int], ...]) -> Any:
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[start : start + n] for start, n in spans]).contiguous()
+
+    if isinstance(w, torch.Tensor):
+        return take(w)
+    if isinstance(w, Int8Weight):
+        return Int8Weight(take(w.qweight), take(w.scales))
+    raise _unsplittable(w)
+
+
+def _columns(w: LinearWeight, start: int, n: int) -> Any:
+    if isinstance(w, torch.Tensor):
+        return w[:, start : start + n].contiguous()
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.qweight[:, start : start + n].contiguous(), w.scales)
+    raise _unsplittable(w)
+
+
+def _unsplittable(w: object) -> TensorParallelError:
+    return TensorParallelError(f"{type(w).__name__} weights cannot be split among tensor-parallel ranks (their "
+                               "groups span the split); build with --quant int8 or none")
 
 
 def shard_kv(kv: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -79,9 +79,9 @@ class BuildOptions:
             raise BuildError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel < 1:
             raise BuildError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and self.quant != "none":
-            raise BuildError(f"--tensor-parallel {self.tensor_parallel} shards unquantized weights only; build "
-                             "without --quant (quantized tensor-parallel shards are not supported yet)")
+        if self.tensor_parallel > 1 and self.quant not in ("none", "int8"):
+            raise BuildError(f"--tensor-parallel {self.tensor_parallel} shards plain or int8 weights; --quant "
+                             f"{self.quant}'s groups span the split (use --quant int8 or none)")
         names = [p.name for p in self.prefixes]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -141,10 +141,12 @@ def build_snapshot(
     blobs = _BlobWriter(cache)
     if world == 1:
         tensors = _pack_weights(weights, blobs)
-        rank_tensors = [tensors]
+        rank_tensors, rank_quantized = [tensors], [weights.quant_meta()]
     else:
         log(f"sharding weights for {world} tensor-parallel ranks")
-        rank_tensors = [_pack_weights(shard_weights(weights, config, r, world), blobs) for r in range(world)]
+        shards = [shard_weights(weights, config, r, world) for r in range(world)]
+        rank_tensors = [_pack_weights(shard, blobs) for shard in shards]
+        rank_quantized = [shard.quant_meta() for shard in shards]
         tensors = {}
     rank_weight_blobs = [sorted({t["blob"] for t in ts.values()}) for ts in rank_tensors]
     tokenizer_blobs = {
@@ -174,7 +176,7 @@ def build_snapshot(
         "engine": {"dtype": options.dtype, "block_size": options.block_size, "version": runtime.__version__},
         "quantization": quantization,
         "tensors": tensors,
-        "quantized": weights.quant_meta(),
+        "quantized": rank_quantized[0] if world == 1 else {},
         "tokenizer": tokenizer_blobs,
         "fingerprint": fingerprints[0] if world == 1 else None,
         "prefixes": prefixes,
@@ -192,7 +194,7 @@ def build_snapshot(
     if world > 1:
         shared = set(tokenizer_blobs.values()) | ({selector["blob"]} if selector else set())
         data["tensor_parallel"] = {"size": world, "ranks": [
-            {"tensors": rank_tensors[r], "fingerprint": fingerprints[r],
+            {"tensors": rank_tensors[r], "quantized": rank_quantized[r], "fingerprint": fingerprints[r],
              "blobs": sorted(shared | set(rank_weight_blobs[r])
                              | {e["rank_blobs"][r] for e in prefixes + adapters if e["rank_blobs"][r]})}
             for r in range(world)

@@ -100,6 +100,7 @@ def rank_view(data: dict[str, Any], rank: int) -> dict[str, Any]:
     return {
         **data,
         "tensors": mine["tensors"],
+        "quantized": mine["quantized"],
         "fingerprint": mine["fingerprint"],
         "blobs": {b: data["blobs"][b] for b in mine["blobs"]},
         "prefixes": [{**p, "blob": p["rank_blobs"][rank]} for p in data["prefixes"]],

@@ -80,10 +80,15 @@ def sharded_snapshot(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -
     single = build_snapshot(model_dir, options, BlobCache(root / "single-cache"))
     options.tensor_parallel = WORLD
     built = build_snapshot(model_dir, options, BlobCache(root / "build-cache"))
+    int8 = BuildOptions(quant="int8", prefixes=options.prefixes)  # bf16: int8 kernels' own dtype
+    int8_single = build_snapshot(model_dir, int8, BlobCache(root / "single-cache"))
+    int8.tensor_parallel = WORLD
+    int8_built = build_snapshot(model_dir, int8, BlobCache(root / "build-cache"))
     store = open_store(str(root / "store"))
-    push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
+    for b in (built, int8_built):
+        push_snapshot(store, b.manifest.encode(), b.id, b.blob_paths)
     return SimpleNamespace(id=built.id, store=str(root / "store"), root=root, manifest=built.manifest,
-                           single=single)
+                           single=single, int8_id=int8_built.id, int8_single=int8_single)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,10 @@ def cases(tiny_model_dir, sharded_snapshot) -> list[dict[str, Any]]:  # type: ig
                 "store": sharded_snapshot.store, "cache": str(sharded_snapshot.root / "cache-{rank}"),
                 "prompts": [prefix + p for p in prompts_for("llama", [4, 9], seed=2)] + prompts_for("llama", [6, 20]),
                 "adapters": [None, None, "prompt", "prefix"], "max_tokens": 6, "options": {"num_kv_blocks": 64}})
+    out.append({"family": "llama", "name": "int8", "snapshot": sharded_snapshot.int8_id,
+                "store": sharded_snapshot.store, "cache": str(sharded_snapshot.root / "cache-int8-{rank}"),
+                "prompts": [prefix + p for p in prompts_for("llama", [3, 12], seed=4)], "max_tokens": 6,
+                "options": {"num_kv_blocks": 64}})
     out.append({"family": "llama", "name": "follower_dies", "follower_dies": True,
                 "model_dir": str(tiny_model_dir("llama")), "prompts": prompts_for("llama", [7]), "max_tokens": 4,
                 "options": {"num_kv_blocks": 16}})
@@ -166,6 +175,15 @@ def test_prefix_hits_and_adapters_from_a_sharded_snapshot(cases, results, sharde
     assert pulled == [sum(sharded_snapshot.manifest.blob_sizes(r).values()) for r in range(WORLD)]
 
 
+def test_int8_weights_split_exactly(cases, results, sharded_snapshot) -> None:  # type: ignore[no-untyped-def]
+    """int8 scales are per output channel, so each rank's shard is the int8 of its part: same greedy output."""
+    i = next(i for i, c in enumerate(cases) if c.get("name") == "int8")
+    assert results[i]["cached_tokens"][0] > 0
+    reference, _ = load_with_report(sharded_snapshot.int8_single.id, None, sharded_snapshot.root / "single-cache",
+                                    **cases[i]["options"])
+    assert results[i]["tokens"] == single_rank(Path(), cases[i], reference.engine)
+
+
 def test_a_dead_follower_fails_the_step_instead_of_hanging(cases, results) -> None:  # type: ignore[no-untyped-def]
     assert len(results) == len(cases)
     last = results[-1]
@@ -192,6 +210,6 @@ def test_heads_that_do_not_divide_are_refused(tiny_model_dir, tmp_path: Path) ->
     with pytest.raises(BuildError, match="num_key_value_heads=2"):
         build_snapshot(tiny_model_dir("qwen2"), BuildOptions(dtype="float32", tensor_parallel=3),
                        BlobCache(tmp_path / "c"))
-    with pytest.raises(BuildError, match="without --quant"):
-        build_snapshot(tiny_model_dir("qwen2"), BuildOptions(quant="int8", tensor_parallel=2),
+    with pytest.raises(BuildError, match="--quant int4's groups span the split"):
+        build_snapshot(tiny_model_dir("qwen2"), BuildOptions(quant="int4", tensor_parallel=2),
                        BlobCache(tmp_path / "c"))
