@@ -54,7 +54,7 @@ def add_command(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, watch
+    from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
     timeline = Timeline(emit=print_json_line)
     if args.grace_seconds < 0:
@@ -64,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_options = {name: getattr(args, name) for name in
                       ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
                       if getattr(args, name) is not None}
-    ranks = plan_ranks(args)  # on one machine, followers start now and load while rank 0 starts listening
+    ranks = plan_ranks(args)
     if ranks.is_follower:
         return run_follower(args, engine_options)
     import uvicorn
@@ -74,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     timeline.mark("imports")
     sock = bind(args.host, args.port)
+    start_followers(ranks, args)  # on one machine: they load their shards while rank 0 starts listening
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None)

@@ -37,6 +37,7 @@ WATCH_INTERVAL_S = 0.2
 class RankPlan:
     world: int
     rank: int
+    local: bool = False  # rank 0 of a group on this machine, which starts the other ranks itself
     followers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # started by this process
 
     @property
@@ -45,25 +46,30 @@ class RankPlan:
 
 
 def plan_ranks(args: argparse.Namespace) -> RankPlan:
-    """Which rank this process is, starting the followers when it is rank 0 of a one-machine group."""
+    """Which rank this process is; on one machine (no WORLD_SIZE yet) it is rank 0 and will start the others."""
     n = args.tensor_parallel
     if "WORLD_SIZE" in os.environ:  # torchrun, or a follower started by our own rank 0
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
         if world != n:
             raise CliError(f"--tensor-parallel {n} but WORLD_SIZE={world}; give every rank --tensor-parallel {world}")
         return RankPlan(world, rank)
-    if n == 1:
-        return RankPlan(1, 0)
+    return RankPlan(n, 0, local=n > 1)
+
+
+def start_followers(plan: RankPlan, args: argparse.Namespace) -> None:
+    """Rank 0 of a one-machine group: pick a rendezvous port and start ranks 1..N-1 as child processes."""
+    if not plan.local:
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), RANK="0", LOCAL_RANK="0")
-    followers = [
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(plan.world), RANK="0",
+                      LOCAL_RANK="0")
+    plan.followers = [
         subprocess.Popen(follower_command(args), env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)},
                          stdout=subprocess.DEVNULL)
-        for r in range(1, n)
+        for r in range(1, plan.world)
     ]
-    return RankPlan(n, 0, followers)
 
 
 def follower_command(args: argparse.Namespace) -> list[str]:
