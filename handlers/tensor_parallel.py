@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +96,7 @@ def rank_load(report: LoadReport, rank: int) -> dict[str, Any]:
 def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """A rank > 0: load this rank's shard, report its cold start to rank 0, follow rank 0's steps."""
     rank = os.environ.get("RANK", "?")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches rank 0 too, which stops the group cleanly
     try:
         from runtime.tensor_parallel import TensorParallelGroup, follow
         from snapshot.cache import BlobCache
