@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +18,7 @@ from handlers.coldstart import Timeline
 
 if TYPE_CHECKING:
     from runtime.outputs import EngineStats
+    from runtime.tensor_parallel import CommStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "warmstart:"
@@ -36,6 +37,8 @@ class Metrics:
         self.model_name = model_name
         self.timeline = timeline
         self.stats: EngineStats | None = None  # set just before each scrape
+        self.rank_loads: list[dict[str, Any]] = []  # tensor parallelism: each rank's pull and map
+        self.comm: CommStats | None = None  # tensor parallelism: rank 0's collective times
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -128,3 +131,24 @@ class _EngineCollector(Collector):
         for phase, seconds in m.timeline.as_dict()["phases"].items():
             cold.add_metric([phase], seconds)
         yield cold
+        if m.comm is not None:
+            yield from _tensor_parallel_metrics(m.rank_loads, m.comm)
+
+
+def _tensor_parallel_metrics(rank_loads: list[dict[str, Any]], comm: CommStats) -> Iterator[Metric]:
+    for key, doc in (("pull_seconds", "Seconds each tensor-parallel rank spent pulling its blobs at cold start."),
+                     ("map_seconds", "Seconds each tensor-parallel rank spent mapping its blobs at cold start."),
+                     ("bytes_downloaded", "Bytes each tensor-parallel rank pulled at cold start.")):
+        family = GaugeMetricFamily(PREFIX + f"tensor_parallel_rank_{key}", doc, labels=["rank"])
+        for load in rank_loads:
+            family.add_metric([str(load["rank"])], load[key])
+        yield family
+    yield CounterMetricFamily(PREFIX + "tensor_parallel_all_reduce_seconds", "Seconds rank 0 spent in the "
+                              "decoder's all-reduces, over all steps (divide by the steps counter for a mean).",
+                              value=comm.all_reduce_seconds)
+    yield CounterMetricFamily(PREFIX + "tensor_parallel_gather_seconds", "Seconds rank 0 spent gathering the "
+                              "vocabulary-split logits, over all steps.", value=comm.gather_seconds)
+    yield CounterMetricFamily(PREFIX + "tensor_parallel_steps", "Forward steps run across the tensor-parallel group.",
+                              value=comm.steps)
+    yield GaugeMetricFamily(PREFIX + "tensor_parallel_last_step_all_reduce_seconds",
+                            "Seconds the last step spent in all-reduces.", value=comm.last_step_all_reduce_seconds)

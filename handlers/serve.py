@@ -40,6 +40,11 @@ def add_command(sub: Any) -> None:
                              "built with --draft); default off")
     engine.add_argument("--num-speculative-tokens", type=positive_int,
                         help="tokens proposed and verified per step and sequence (default 4)")
+    engine.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                        help="ranks the model is split across (the snapshot must be built for N); on one machine "
+                             "this process is rank 0 and starts the others; under torchrun, one per process")
+    engine.add_argument("--collective-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="with --tensor-parallel: how long a rank waits on the others in a step (default 60)")
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-queue", type=non_negative_int, default=256,
                         help="requests that may wait beyond --max-num-seqs before a 429 (default 256)")
@@ -54,9 +59,22 @@ def add_command(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
+
     timeline = Timeline(emit=print_json_line)
     if args.grace_seconds < 0:
         raise CliError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
+    if args.collective_timeout <= 0:
+        raise CliError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
+    engine_options = {name: getattr(args, name) for name in
+                      ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "speculative",
+                       "num_speculative_tokens")
+                      if getattr(args, name) is not None}
+    if args.tensor_parallel > 1 and args.speculative:
+        raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")
+    ranks = plan_ranks(args)
+    if ranks.is_follower:
+        return run_follower(args, engine_options)
     import uvicorn
 
     from handlers.app import create_app
@@ -64,17 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     timeline.mark("imports")
     sock = bind(args.host, args.port)
+    start_followers(ranks, args)  # on one machine: they load their shards while rank 0 starts listening
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url)
-    engine_options = {name: getattr(args, name) for name in
-                      ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "speculative",
-                       "num_speculative_tokens")
-                      if getattr(args, name) is not None}
 
     def load() -> None:
-        load_snapshot(state, args.store, args.cache, engine_options)
+        load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout)
         if state.status == "failed":
             print_json_line({"event": "error", "message": state.error})
             server.should_exit = True
@@ -95,6 +110,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def stop(signum: int, frame: Any) -> None:
         server.should_exit = True
 
+    def rank_lost(why: str) -> None:
+        if state.status != "failed":  # a failed load already said why; the followers then fail with it
+            state.fail(why)
+            print_json_line({"event": "error", "message": why})
+        server.should_exit = True
+
+    if ranks.followers:
+        print_json_line({"event": "tensor_parallel", "ranks": [{"rank": r, "pid": p.pid}
+                                                               for r, p in enumerate(ranks.followers, start=1)]})
+    if ranks.world > 1:
+        watch(ranks, state, rank_lost, lambda: bool(server.should_exit))
+
     # uvicorn drains on SIGTERM, then restores this handler and raises the signal again; exiting 0 after a
     # drain (what platforms expect of a clean stop) needs a handler here that does not kill the process.
     signal.signal(signal.SIGTERM, stop)
@@ -102,9 +129,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         state.shutdown()
+        follower_codes = end_followers(ranks)
     if state.status == "failed":
         raise CliError(state.error or "the snapshot failed to load")
-    print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4)})
+    print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4),
+                     **({"follower_exit_codes": follower_codes} if follower_codes else {})})
     return 0
 
 

@@ -38,6 +38,8 @@ def add_commands(sub: Any) -> None:
                        help="a draft model (same tokenizer) for `serve --speculative draft`, stored as its own blobs")
     build.add_argument("--draft-quant", default="none", help="the draft's quantization: none | int8 | int4 | nf4")
     build.add_argument("--draft-group-size", type=positive_int, default=None, help="the draft's quantization group")
+    build.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                       help="shard weights and prefix KV for N ranks; each rank pulls only its part (default 1)")
     build.add_argument("--tag", action="append", default=[], metavar="NAME", help="point this ref at the snapshot")
     _common(build, cache=True)
     build.set_defaults(func=cmd_build)
@@ -125,6 +127,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 prefixes=prefixes, adapters=[AdapterSpec.parse(a) for a in args.adapter],
                 adapter_examples=[AdapterSpec.parse(e, "--adapter-examples") for e in args.adapter_examples],
                 lora=args.lora, draft=args.draft, draft_quant=args.draft_quant, draft_group_size=args.draft_group_size,
+                tensor_parallel=args.tensor_parallel,
             )
             store = open_store(args.store)
             built = build_snapshot(args.model_dir, options, _cache(args), log=_log(args))
@@ -201,6 +204,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"snapshot {sid}: {info['architecture']}, {info['dtype']}, quantization {info['quantization']['scheme']}")
     print(f"  {len(info['tensors'])} tensors, {info['bytes']:,} bytes in {info['blobs']} blobs, "
           f"block size {info['block_size']}, built by {info['tool']}")
+    if info["tensor_parallel"] > 1:
+        print(f"  sharded for tensor parallelism {info['tensor_parallel']}: each rank pulls "
+              f"{' / '.join(f'{b:,}' for b in info['bytes_per_rank'])} bytes (tensors listed: rank 0's)")
     for p in info["prefixes"]:
         print(f"  prefix {p['name']} ({p['kind']}): {p['tokens']} tokens, {p['cached_tokens']} in full blocks")
     for a in info["adapters"]:
@@ -225,7 +231,11 @@ def selector_summary(m: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
+    from snapshot.format import rank_view, tensor_parallel_size
+
     block_size = m["engine"]["block_size"]
+    world = tensor_parallel_size(m)
+    rank0 = rank_view(m, 0)  # a sharded snapshot's tensors are listed as rank 0 holds them
     return {
         "id": sid,
         "architecture": m["model"]["architecture"],
@@ -234,9 +244,11 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
         "block_size": block_size,
         "quantization": m["quantization"],
         "tensors": {
-            n: {"dtype": t["dtype"], "shape": t["shape"], "bytes": t["nbytes"]} for n, t in m["tensors"].items()
+            n: {"dtype": t["dtype"], "shape": t["shape"], "bytes": t["nbytes"]} for n, t in rank0["tensors"].items()
         },
         "bytes": sum(m["blobs"].values()),
+        "tensor_parallel": world,
+        "bytes_per_rank": [sum(rank_view(m, r)["blobs"].values()) for r in range(world)],
         "blobs": len(m["blobs"]),
         "prefixes": [{"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                       "cached_tokens": len(p["block_hashes"]) * block_size} for p in m["prefixes"]],

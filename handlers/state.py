@@ -21,6 +21,7 @@ from handlers.snapshot_commands import adapter_summaries, selector_summary
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
+    from runtime.tensor_parallel import TensorParallelGroup
 
 
 @dataclass
@@ -41,13 +42,14 @@ class ServeState:
     error: str | None = None
     service: Service | None = None
     info: dict[str, Any] = field(default_factory=dict)  # snapshot id, prefixes, adapters, pull, engine
+    group: TensorParallelGroup | None = None  # rank 0's tensor-parallel group, when there is one
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name, self.timeline)
 
     @property
     def healthy(self) -> bool:
-        return self.service is not None and self.service.llm.is_alive
+        return self.status == "ready" and self.service is not None and self.service.llm.is_alive
 
     def ready_service(self) -> Service:
         if self.service is not None:
@@ -75,11 +77,18 @@ class ServeState:
     def shutdown(self) -> None:
         if self.service is not None:
             self.service.llm.shutdown()
+        if self.group is not None:
+            if self.status == "ready":  # after a failure the followers are gone or going, on their own
+                self.group.stop_followers()
+            self.group.close()
 
 
 def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None,
-                  engine_options: dict[str, Any]) -> None:
-    """Pull (if need be), map and start the engine for ``state.ref``; the state ends ready or failed."""
+                  engine_options: dict[str, Any], tensor_parallel: int = 1, collective_timeout: float = 60.0) -> None:
+    """Pull (if need be), map and start the engine for ``state.ref``; the state ends ready or failed.
+
+    With ``tensor_parallel`` > 1 this is rank 0 of a group joined through env:// (see handlers/tensor_parallel.py):
+    it pulls and maps its own shard, and gathers the other ranks' pull and map times."""
     timeline = state.timeline
     try:
         from runtime.async_engine import AsyncLLM
@@ -89,7 +98,16 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         timeline.mark("runtime_imports")
         started = time.monotonic()
         blob_cache = BlobCache(cache)
-        llm, report = load_with_report(state.ref, store, blob_cache, **engine_options)
+        if tensor_parallel > 1:
+            from runtime.tensor_parallel import TensorParallelGroup
+
+            state.group = TensorParallelGroup(timeout_s=collective_timeout)
+        llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, **engine_options)
+        rank_loads: list[Any] = []
+        if state.group is not None:
+            from handlers.tensor_parallel import rank_load
+
+            rank_loads = state.group.gather_objects(rank_load(report, 0))
         for phase in ("manifest", "blobs", "mapped"):
             details: dict[str, Any] = {}
             if phase == "manifest":
@@ -97,6 +115,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             elif phase == "blobs":
                 details = {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
                            "blobs_total": report.blobs_total}
+            elif phase == "mapped" and rank_loads:
+                details = {"ranks": rank_loads}  # every rank's own pull and map
             timeline.mark(phase, at=started + report.phases[phase], **details)
         assert report.manifest is not None  # load_with_report always sets it
         manifest = report.manifest.data
@@ -125,6 +145,9 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
                        "max_model_len": engine.max_model_len, "speculative": engine.options.speculative,
                        "num_speculative_tokens": engine.options.num_speculative_tokens},
         }
+        if state.group is not None:
+            info["tensor_parallel"] = {"size": state.group.world, "backend": state.group.backend, "ranks": rank_loads}
+            state.metrics.rank_loads, state.metrics.comm = rank_loads, state.group.stats
         ready_at = time.monotonic()
         state.set_ready(AsyncLLM(engine), model, info)
         timeline.mark("ready", at=ready_at, url=state.url, snapshot_id=report.snapshot_id, model=state.model_name)

@@ -450,15 +450,20 @@ class LLMEngine:
         )
 
     def _blocks_from_memory(self) -> int:
-        c, o = self.config, self.options
-        elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
-        block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
-        if self.draft is not None:  # a block id holds KV in the draft's pool too
-            d = self.draft.config
-            block_bytes += 2 * d.num_layers * o.block_size * d.num_kv_heads * d.head_dim * elem
-        budget = int(_available_memory() * o.kv_cache_memory_fraction)
-        useful = o.max_num_seqs * -(-self.max_model_len // o.block_size)  # more could never be used at once
-        return max(1, min(budget // block_bytes, useful))
+        return kv_blocks_for_memory(self.config, self.options, self.max_model_len,
+                                    self.draft.config if self.draft is not None else None)
+
+
+def kv_blocks_for_memory(c: ModelConfig, o: EngineOptions, max_model_len: int, draft: ModelConfig | None = None) -> int:
+    """How many KV blocks the pool gets when ``num_kv_blocks`` is not given: a fraction of free memory, and
+    never more than ``max_num_seqs`` full-length sequences could use."""
+    elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
+    block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
+    if draft is not None:  # a block id holds KV in the draft's pool too
+        block_bytes += 2 * draft.num_layers * o.block_size * draft.num_kv_heads * draft.head_dim * elem
+    budget = int(_available_memory() * o.kv_cache_memory_fraction)
+    useful = o.max_num_seqs * -(-max_model_len // o.block_size)  # more could never be used at once
+    return max(1, min(budget // block_bytes, useful))
 
 
 def check_draft_compatible(target: ModelConfig, draft: ModelConfig) -> None:

@@ -6,6 +6,8 @@ tables cast to the model dtype) so that float32 outputs match it to rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +59,10 @@ class Model:
         from runtime.ops import select_ops  # runtime.ops builds on this module's functions
 
         self.ops = select_ops(weights.embed.device)
+        # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/tensor_parallel.py).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unsharded
+        # Joins vocabulary-split logits (each tensor-parallel rank computes its slice of the head).
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = _unsharded
 
     def forward(
         self,
@@ -88,7 +94,11 @@ class Model:
             q, k = ops.rotary(q, k, rotary)
             ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
-            h, x = ops.add_rms_norm(ops.linear(attn, layer.o_proj), x, layer.post_norm, eps)
-            x = x + ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up)), layer.down)
+            h, x = ops.add_rms_norm(self.reduce(ops.linear(attn, layer.o_proj)), x, layer.post_norm, eps)
+            x = x + self.reduce(ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up)), layer.down))
         h = ops.rms_norm(x[logits_index], w.norm, eps)
-        return ops.linear(h, w.lm_head).float()
+        return self.gather_logits(ops.linear(h, w.lm_head).float())
+
+
+def _unsharded(partial: torch.Tensor) -> torch.Tensor:
+    return partial

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,18 @@ class Chunk:
     as_decode_rows: bool = False
 
 
+@dataclass
+class StepInputs:
+    """Everything one forward pass needs, already as tensors: what tensor-parallel followers receive."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_index: torch.Tensor
+    highest_block: int  # the highest pool block the step touches (zeroed first if never used)
+    block_copies: list[tuple[int, int]]  # (source, destination) blocks copied before the step
+
+
 class ModelRunner:
     def __init__(self, model: Model, num_blocks: int, block_size: int, seed: int | None = None) -> None:
         c = model.config
@@ -60,6 +73,8 @@ class ModelRunner:
         """On CUDA: replay decode-only steps of up to max(batch_sizes) sequences from captured graphs."""
         self._zero_new_blocks(0)  # padding rows read block 0
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes)
+        # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
+        self.before_step: Callable[[StepInputs], None] | None = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:
@@ -133,22 +148,39 @@ class ModelRunner:
             q_pos = torch.tensor([c.start for c in members_chunks])
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), members_chunks, q_pos, True))
 
-        self._zero_new_blocks(max(max(c.block_table) for c in chunks))
-        for src, dst in copies:
-            for cache in self.kv_caches:
-                cache[:, :, dst] = cache[:, :, src]
+        highest_block = max(max(c.block_table) for c in chunks)
         if self.graphs is not None and inputs_embeds is None and len(decode_chunks) == len(chunks) == len(input_ids):
+            self._prepare(highest_block, copies)
+            copies = []
             tables = [[max(b, 0) for b in c.block_table] for c in chunks]
             logits = self.graphs.run(input_ids, positions, slots, tables)
             if logits is not None:
                 return logits[logits_rows]
         device = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups)
-        logits_index = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        input_tensor = torch.tensor(input_ids, device=device)
-        position_tensor = torch.tensor(positions, device=device)
-        return self.model.forward(input_tensor, position_tensor, self.kv_caches, meta, logits_index,
+        step = StepInputs(
+            input_ids=torch.tensor(input_ids, device=device),
+            positions=torch.tensor(positions, device=device),
+            meta=AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), groups=groups),
+            logits_index=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            highest_block=highest_block,
+            block_copies=list(copies),
+        )
+        return self.execute(step, inputs_embeds)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Prepare the pool for the step and run it; returns the logits of ``step.logits_index``'s rows."""
+        if self.before_step is not None:
+            self.before_step(step)
+        self._prepare(step.highest_block, step.block_copies)
+        return self.model.forward(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_index,
                                   inputs_embeds=inputs_embeds)
+
+    def _prepare(self, highest_block: int, copies: list[tuple[int, int]]) -> None:
+        self._zero_new_blocks(highest_block)
+        for src, dst in copies:
+            for cache in self.kv_caches:
+                cache[:, :, dst] = cache[:, :, src]
 
     @torch.inference_mode()
     def virtual_tokens_kv(self, embeds: torch.Tensor, blocks: list[int]) -> torch.Tensor:

@@ -23,6 +23,7 @@ from runtime.config import ModelConfig, ModelConfigError, read_config_json
 from runtime.engine import DTYPES, EngineOptions, LLMEngine
 from runtime.model import Model
 from runtime.quant import SCHEMES, quantize_model
+from runtime.tensor_parallel import TensorParallelError, check_divisible, shard_kv, shard_weights
 from runtime.tokenizer import Tokenizer
 from runtime.weights import ModelWeights, checkpoint_files, convert_weights, read_checkpoint
 from snapshot.adapters import (
@@ -70,6 +71,7 @@ class BuildOptions:
     draft: Path | None = None  # a draft model's HF directory, for speculative decoding (snapshot.draft)
     draft_quant: str = "none"
     draft_group_size: int | None = None
+    tensor_parallel: int = 1  # ranks the weights and KV are sharded for (runtime/tensor_parallel.py)
 
     def validate(self) -> None:
         if self.quant not in SCHEMES:
@@ -80,6 +82,13 @@ class BuildOptions:
             raise BuildError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise BuildError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel < 1:
+            raise BuildError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.draft is not None:
+            raise BuildError("--draft does not combine with --tensor-parallel yet; build without one of them")
+        if self.tensor_parallel > 1 and self.quant not in ("none", "int8"):
+            raise BuildError(f"--tensor-parallel {self.tensor_parallel} shards plain or int8 weights; --quant "
+                             f"{self.quant}'s groups span the split (use --quant int8 or none)")
         names = [p.name for p in self.prefixes]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -118,6 +127,11 @@ def build_snapshot(
     model_dir = Path(model_dir)
     config_raw = _read_config(model_dir)
     config = ModelConfig.from_dict(config_raw, source=str(model_dir / "config.json"))
+    world = options.tensor_parallel
+    try:
+        check_divisible(config, world)
+    except TensorParallelError as e:
+        raise BuildError(str(e)) from None
     dtype = DTYPES[options.dtype]
     log(f"converting weights ({options.dtype}, quantization {options.quant})")
     raw = read_checkpoint(model_dir)
@@ -132,14 +146,23 @@ def build_snapshot(
         except ValueError as e:
             raise BuildError(f"--quant {options.quant}: {e}") from None
     blobs = _BlobWriter(cache)
-    tensors = _pack_weights(weights, blobs)
-    weight_blobs = sorted({t["blob"] for t in tensors.values()})
+    if world == 1:
+        tensors = _pack_weights(weights, blobs)
+        rank_tensors, rank_quantized = [tensors], [weights.quant_meta()]
+    else:
+        log(f"sharding weights for {world} tensor-parallel ranks")
+        shards = [shard_weights(weights, config, r, world) for r in range(world)]
+        rank_tensors = [_pack_weights(shard, blobs) for shard in shards]
+        rank_quantized = [shard.quant_meta() for shard in shards]
+        tensors = {}
+    rank_weight_blobs = [sorted({t["blob"] for t in ts.values()}) for ts in rank_tensors]
     tokenizer_blobs = {
         name: blobs.add_file(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).is_file()
     }
     group_sizes = {m.get("group_size") for m in weights.quant_meta().values()} - {None}
     quantization = {"scheme": options.quant, "group_size": group_sizes.pop() if len(group_sizes) == 1 else None}
-    fingerprint = kv_fingerprint(weight_blobs, quantization, options.dtype, options.block_size, runtime.__version__)
+    fingerprints = [kv_fingerprint(wb, quantization, options.dtype, options.block_size, runtime.__version__)
+                    for wb in rank_weight_blobs]
     tokenizer = Tokenizer(model_dir) if "tokenizer.json" in tokenizer_blobs else None
     token_lists = [_prefix_tokens(p, tokenizer) for p in options.prefixes]
     prompt_adapters = [read_prompt_adapter(a, config) for a in options.adapters]
@@ -149,9 +172,9 @@ def build_snapshot(
                                                        [a.num_tokens for a in prompt_adapters]))
         for spec, token_ids in zip(options.prefixes, token_lists, strict=True):
             log(f"computing prefix KV for {spec.name!r} ({len(token_ids)} tokens)")
-            prefixes.append(_prefix_entry(spec, token_ids, engine, blobs))
+            prefixes.append(_prefix_entry(spec, token_ids, engine, blobs, world))
         for adapter in prompt_adapters:
-            adapters.append(_adapter_entry(adapter, engine, blobs, log))
+            adapters.append(_adapter_entry(adapter, engine, blobs, log, world))
     selector = _selector_entry(options, tokenizer, weights, blobs, log) if options.adapter_examples else None
     draft = None
     if options.draft is not None:
@@ -165,9 +188,9 @@ def build_snapshot(
         "engine": {"dtype": options.dtype, "block_size": options.block_size, "version": runtime.__version__},
         "quantization": quantization,
         "tensors": tensors,
-        "quantized": weights.quant_meta(),
+        "quantized": rank_quantized[0] if world == 1 else {},
         "tokenizer": tokenizer_blobs,
-        "fingerprint": fingerprint,
+        "fingerprint": fingerprints[0] if world == 1 else None,
         "prefixes": prefixes,
         "adapters": adapters,
         "adapter_selector": selector,
@@ -183,6 +206,15 @@ def build_snapshot(
     if draft is not None:
         data["draft"] = draft
         data["provenance"]["options"].update(draft_quant=options.draft_quant, draft_group_size=options.draft_group_size)
+    if world > 1:
+        shared = set(tokenizer_blobs.values()) | ({selector["blob"]} if selector else set())
+        data["tensor_parallel"] = {"size": world, "ranks": [
+            {"tensors": rank_tensors[r], "quantized": rank_quantized[r], "fingerprint": fingerprints[r],
+             "blobs": sorted(shared | set(rank_weight_blobs[r])
+                             | {e["rank_blobs"][r] for e in prefixes + adapters if e["rank_blobs"][r]})}
+            for r in range(world)
+        ]}
+        data["provenance"]["options"]["tensor_parallel"] = world
     manifest = Manifest(data)
     cache.add_manifest(manifest.id, manifest.encode())
     return BuiltSnapshot(manifest, blobs.paths)
@@ -298,7 +330,17 @@ def _engine(config: ModelConfig, weights: ModelWeights, options: BuildOptions, l
     return LLMEngine(Model(config, weights, max_len), None, engine_options)
 
 
-def _prefix_entry(spec: PrefixSpec, token_ids: list[int], engine: LLMEngine, blobs: _BlobWriter) -> dict[str, Any]:
+def _kv_blobs(kv: torch.Tensor, blobs: _BlobWriter, world: int) -> dict[str, Any]:
+    """KV in the pool layout as blob(s): one, or each tensor-parallel rank's KV heads in its own."""
+    if world == 1:
+        return {"blob": blobs.add_packed([tensor_bytes(kv)])[0], "shape": list(kv.shape)}
+    shards = [shard_kv(kv, r, world) for r in range(world)]
+    return {"blob": None, "rank_blobs": [blobs.add_packed([tensor_bytes(t)])[0] for t in shards],
+            "shape": list(shards[0].shape)}
+
+
+def _prefix_entry(spec: PrefixSpec, token_ids: list[int], engine: LLMEngine, blobs: _BlobWriter,
+                  world: int) -> dict[str, Any]:
     hashes, kv = engine.prefix_kv(token_ids)
     entry: dict[str, Any] = {
         "name": spec.name,
@@ -310,12 +352,14 @@ def _prefix_entry(spec: PrefixSpec, token_ids: list[int], engine: LLMEngine, blo
         "shape": list(kv.shape),
     }
     if hashes:
-        entry["blob"], _ = blobs.add_packed([tensor_bytes(kv)])
+        entry.update(_kv_blobs(kv, blobs, world))
+    elif world > 1:
+        entry["rank_blobs"] = [None] * world
     return entry
 
 
 def _adapter_entry(
-    adapter: PromptAdapter, engine: LLMEngine, blobs: _BlobWriter, log: Callable[[str], None]
+    adapter: PromptAdapter, engine: LLMEngine, blobs: _BlobWriter, log: Callable[[str], None], world: int
 ) -> dict[str, Any]:
     kv = compile_prompt_adapter(adapter, engine)
     bs = engine.blocks.block_size
@@ -323,10 +367,11 @@ def _adapter_entry(
     log(f"adapter {adapter.name!r}: {adapter.kind}, {adapter.num_tokens} virtual tokens, {waste} of "
         f"{kv.shape[3] * bs} KV slots unused at block size {bs}"
         + ("" if not waste else f"; {alignment_advice(adapter.num_tokens, bs)}"))
-    blob, _ = blobs.add_packed([tensor_bytes(kv)])
-    return {"name": adapter.name, "kind": adapter.kind, "num_virtual_tokens": adapter.num_tokens,
-            "wasted_slots": waste, "base_model": adapter.base_model, "blob": blob,
-            "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+    entry = {"name": adapter.name, "kind": adapter.kind, "num_virtual_tokens": adapter.num_tokens,
+             "wasted_slots": waste, "base_model": adapter.base_model, "blob": None,
+             "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
+    entry.update(_kv_blobs(kv, blobs, world))
+    return entry
 
 
 def _selector_entry(options: BuildOptions, tokenizer: Tokenizer | None, weights: ModelWeights, blobs: _BlobWriter,

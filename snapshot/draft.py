@@ -65,7 +65,7 @@ def build_draft(
         engine: LLMEngine = _engine(config, weights, options, max(len(p["token_ids"]) for p in prefixes))
         for p in prefixes:
             log(f"computing draft prefix KV for {p['name']!r}")
-            entry = _prefix_entry(PrefixSpec(p["name"], Path(), p["kind"]), p["token_ids"], engine, blobs)
+            entry = _prefix_entry(PrefixSpec(p["name"], Path(), p["kind"]), p["token_ids"], engine, blobs, 1)
             if entry["block_hashes"] != p["block_hashes"]:
                 raise BuildError("the draft's prefix blocks do not line up with the model's (report this as a bug)")
             prefix_kv.append({k: entry[k] for k in ("blob", "dtype", "shape")})

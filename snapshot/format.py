@@ -70,12 +70,42 @@ class Manifest:
             )
         return cls(data)
 
-    def blob_sizes(self) -> dict[str, int]:
-        """Every blob the snapshot needs, with its size in bytes."""
-        return dict(self.data["blobs"])
+    def blob_sizes(self, rank: int | None = None) -> dict[str, int]:
+        """Every blob the snapshot needs, with its size in bytes; with ``rank``, only those that tensor-parallel
+        rank needs (all of them when the snapshot is not sharded)."""
+        return dict((self.data if rank is None else rank_view(self.data, rank))["blobs"])
 
-    def blob_ids(self) -> set[str]:
-        return set(self.data["blobs"])
+    def blob_ids(self, rank: int | None = None) -> set[str]:
+        return set(self.blob_sizes(rank))
+
+    @property
+    def tensor_parallel(self) -> int:
+        """How many ranks the weights are sharded for (1: not sharded)."""
+        return tensor_parallel_size(self.data)
+
+
+def tensor_parallel_size(data: dict[str, Any]) -> int:
+    return int((data.get("tensor_parallel") or {}).get("size", 1))
+
+
+def rank_view(data: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A sharded manifest as rank ``rank`` reads it: its own tensors, fingerprint, blobs and prefix and adapter
+    KV blobs in the places an unsharded manifest has them. An unsharded manifest is its own view."""
+    tp = data.get("tensor_parallel")
+    if not tp:
+        return data
+    if not 0 <= rank < len(tp["ranks"]):
+        raise FormatError(f"the snapshot is sharded for {len(tp['ranks'])} ranks; there is no rank {rank}")
+    mine = tp["ranks"][rank]
+    return {
+        **data,
+        "tensors": mine["tensors"],
+        "quantized": mine["quantized"],
+        "fingerprint": mine["fingerprint"],
+        "blobs": {b: data["blobs"][b] for b in mine["blobs"]},
+        "prefixes": [{**p, "blob": p["rank_blobs"][rank]} for p in data["prefixes"]],
+        "adapters": [{**a, "blob": a["rank_blobs"][rank]} for a in data.get("adapters", [])],
+    }
 
 
 def kv_fingerprint(weight_blobs: list[str], quantization: dict[str, Any], dtype: str, block_size: int,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,10 +25,13 @@ from runtime.quant import QuantizedWeight, from_tensors
 from runtime.tokenizer import Tokenizer
 from runtime.weights import LayerWeights, ModelWeights
 from snapshot.cache import BlobCache
-from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint
+from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
 from snapshot.refs import resolve_ref
 from snapshot.store import Store, open_store
 from snapshot.transfer import pull_snapshot
+
+if TYPE_CHECKING:
+    from runtime.tensor_parallel import TensorParallelGroup
 
 
 class SnapshotError(Exception):
@@ -63,14 +66,20 @@ def load_with_report(
     cache: str | Path | BlobCache | None = None,
     *,
     concurrency: int = 8,
+    group: TensorParallelGroup | None = None,
     **engine_options: Any,
 ) -> tuple[LLM, LoadReport]:
+    """With ``group`` (a tensor-parallel rank), only this rank's blobs are pulled and mapped, and the engine runs
+    this rank's shard (rank 0 leads; the caller runs ``runtime.tensor_parallel.follow`` on the others)."""
     start = time.monotonic()
+    rank = None if group is None else group.rank
     blob_cache = cache if isinstance(cache, BlobCache) else BlobCache(Path(cache) if cache else None)
     raw = blob_cache.get_manifest(ref) if is_id(ref) else None
     cached = Manifest.decode(raw, where=f"cached snapshot {ref}") if raw is not None else None
     manifest = None
-    if raw is not None and cached is not None and all(blob_cache.has(b) for b in cached.blob_ids()):
+    if cached is not None:
+        _check_ranks(cached, group)
+    if raw is not None and cached is not None and all(blob_cache.has(b) for b in cached.blob_ids(rank)):
         manifest = cached
         report = LoadReport(ref)  # everything is cached: a cold start needs no store at all
         report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
@@ -79,7 +88,8 @@ def load_with_report(
         snapshot_id = resolve_ref(the_store, ref)
         report = LoadReport(snapshot_id)
         report.phases["manifest"] = time.monotonic() - start
-        raw, stats = pull_snapshot(the_store, blob_cache, snapshot_id, concurrency=concurrency)
+        raw, stats = pull_snapshot(the_store, blob_cache, snapshot_id, concurrency=concurrency, rank=rank,
+                                   check=lambda m: _check_ranks(m, group))
         report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
         report.phases["blobs"] = time.monotonic() - start
     if blob_id(raw) != report.snapshot_id:
@@ -87,12 +97,12 @@ def load_with_report(
                             "cache); delete the cached manifest and pull again")
     manifest = manifest or Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
     report.manifest = manifest
-    report.blobs_total = len(manifest.blob_ids())
+    report.blobs_total = len(manifest.blob_ids(rank))
 
     def mark(phase: str) -> None:
         report.phases[phase] = time.monotonic() - start
 
-    engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes)
+    engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group)
     mark("ready")
     return LLM(engine), report
 
@@ -103,14 +113,21 @@ def engine_from_manifest(
     engine_options: dict[str, Any],
     mark: Callable[[str], None] = lambda _: None,
     prefixes_out: list[dict[str, Any]] | None = None,
+    group: TensorParallelGroup | None = None,
 ) -> LLMEngine:
-    m = manifest.data
     sid = manifest.id
+    _check_ranks(manifest, group)
+    m = rank_view(manifest.data, 0 if group is None else group.rank)
     config = ModelConfig.from_dict(m["model"]["config"], source=f"snapshot {sid}")
     options = _engine_options(m, engine_options, sid)
-    mapped = {b: map_blob(cache.path(b)) for b in manifest.blob_ids()}
+    mapped = {b: map_blob(cache.path(b)) for b in m["blobs"]}
     tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
-    weights = _weights(config, tensors, m.get("quantized", {}))
+    shard_config = config
+    if group is not None and group.world > 1:
+        from runtime.tensor_parallel import shard_config as sharded
+
+        shard_config = sharded(config, group.world)
+    weights = _weights(shard_config, tensors, m.get("quantized", {}))
     files = {name: cache.path(b) for name, b in m["tokenizer"].items()}
     tokenizer = None
     if "tokenizer.json" in files:
@@ -120,7 +137,14 @@ def engine_from_manifest(
     mark("mapped")
     _check_fingerprint(m, sid)
     draft = _draft(m, mapped, sid) if options.speculative == "draft" else None
-    engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft)
+    if group is not None and group.world > 1:
+        from runtime.tensor_parallel import rank_engine
+
+        if options.speculative is not None:
+            raise SnapshotError("speculative decoding does not combine with tensor parallelism yet")
+        engine = rank_engine(config, weights, tokenizer, options, group)
+    else:
+        engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft)
     draft_kv = m["draft"]["prefix_kv"] if draft is not None else [None] * len(m["prefixes"])
     for p, d in zip(m["prefixes"], draft_kv, strict=True):
         if p["blob"] is not None:
@@ -212,4 +236,16 @@ def _check_fingerprint(m: dict[str, Any], sid: str) -> None:
             f"snapshot {sid}: its prefix and adapter KV was computed by warmstart {e['version']} for other weights or "
             f"settings, and is not valid for warmstart {runtime.__version__} with these weights; rebuild it "
             "with `warmstart build`"
+        )
+
+
+def _check_ranks(manifest: Manifest, group: TensorParallelGroup | None) -> None:
+    """A snapshot's weights are sharded for one rank count; refuse any other before anything is pulled."""
+    world = 1 if group is None else group.world
+    built = manifest.tensor_parallel
+    if built != world:
+        raise SnapshotError(
+            f"snapshot {manifest.id} was built for tensor parallelism {built} and cannot run on {world} rank(s); "
+            f"serve it with --tensor-parallel {built}, or rebuild it with `warmstart build MODEL_DIR "
+            f"--tensor-parallel {world}`"
         )

@@ -12,6 +12,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass
@@ -248,19 +249,25 @@ def pull_blobs(store: Store, cache: BlobCache, sizes: dict[str, int], *, concurr
 
 
 def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurrency: int = DEFAULT_CONCURRENCY,
-                  part_size: int = DEFAULT_PART_SIZE,
-                  progress: bool | Progress | None = None) -> tuple[bytes, PullStats]:
+                  part_size: int = DEFAULT_PART_SIZE, progress: bool | Progress | None = None,
+                  rank: int | None = None,
+                  check: Callable[[Manifest], None] | None = None) -> tuple[bytes, PullStats]:
     """Fetch the snapshot's manifest and every blob it lists into the cache; returns the manifest bytes.
-    The manifest is cached last, so a cached manifest means its blobs are all in the cache."""
+    The manifest is cached last, so a cached manifest means its blobs are all in the cache. With ``rank``, only
+    that tensor-parallel rank's blobs are fetched, and the manifest is not cached. ``check`` may refuse the
+    manifest (by raising) before any blob is fetched."""
     raw = cache.get_manifest(snapshot_id) or store.get_manifest(snapshot_id)
     manifest = Manifest.decode(raw, where=f"snapshot {snapshot_id} in {store.uri}")
+    if check is not None:
+        check(manifest)
     try:
-        sizes = manifest.blob_sizes()
+        sizes = manifest.blob_sizes(rank)
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"snapshot {snapshot_id} in {store.uri} has no valid blob list; rebuild it") from None
     stats = pull_blobs(store, cache, sizes, concurrency=concurrency, part_size=part_size, progress=progress,
                        snapshot=snapshot_id)
-    cache.add_manifest(snapshot_id, raw)
+    if rank is None or manifest.tensor_parallel == 1:
+        cache.add_manifest(snapshot_id, raw)
     return raw, stats
 
 # Push ----------------------------------------------------------------------------------------------------
