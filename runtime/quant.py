@@ -353,7 +353,10 @@ def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     buffers: dict[torch.dtype, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        # A normal tensor even when first made under inference mode: an inference tensor could not be
+        # written in place later, outside it.
+        with torch.inference_mode(False):
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 

@@ -340,3 +340,29 @@ def test_int8_stays_close_to_the_float_model(tiny_model_dir: ModelDir, family: s
     assert same["max_abs_logit_diff"] == 0 and same["greedy_agreement"] == 1 and same["top1_agreement"] == 1
     int4 = quant.compare_to_float(float_model, Model(config, quant.quantize_model(weights, "int4"), 256), prompts)
     assert int4["mean_abs_logit_diff"] > 5 * report["mean_abs_logit_diff"]  # 4 bits are visibly coarser
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
+def test_scratch_buffers_made_under_inference_mode_serve_outside_it(scheme: str) -> None:
+    """The per-thread scratch buffers are first made by whichever call comes first; an engine step runs
+    under inference mode, a caller outside it must still be able to use them."""
+    import threading
+
+    w = quant.quantize(weight(), scheme, 64 if scheme != "int8" else None)
+    x = randn(3, 256, seed=1)
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:  # a new thread: no scratch buffers yet
+        try:
+            with torch.inference_mode():
+                results.append(quant.linear(x, w).clone())
+            results.append(quant.linear(x, w))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+    torch.testing.assert_close(results[0], results[1])
