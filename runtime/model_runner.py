@@ -65,6 +65,8 @@ class ModelRunner:
         self.zeroed_blocks = 0
         self.sampler = Sampler(seed)
         self.window = c.uniform_window
+        # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
+        self.before_step: Callable[[StepInputs], None] | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and model.ops.name == "triton" and os.environ.get(GRAPHS_ENV) != "0":
             self.capture_decode_graphs()
@@ -73,8 +75,6 @@ class ModelRunner:
         """On CUDA: replay decode-only steps of up to max(batch_sizes) sequences from captured graphs."""
         self._zero_new_blocks(0)  # padding rows read block 0
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes)
-        # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
-        self.before_step: Callable[[StepInputs], None] | None = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:
