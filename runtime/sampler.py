@@ -1,8 +1,10 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
 
-A random draw uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p exactly
-and lets each seeded request draw its noise from its own generator: the same seed gives the same
-tokens whatever else shares the batch.
+A random draw inverts each row's CDF at one uniform number (float64 cumulative sums, so even tokens of
+probability 1e-9 keep their share), which samples from p exactly and lets each seeded request draw from its
+own generator: the same seed gives the same tokens whatever else shares the batch. It replaced the
+exponential race (argmax of p / E, E ~ Exp(1)), which draws a random number per vocabulary entry:
+benchmarks/sampler.py measured it 17x slower, 46.6 against 2.8 ms for 40 rows of a 49k vocabulary.
 """
 
 from __future__ import annotations
@@ -67,18 +69,26 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row from (unnormalized) ``probs``, row i with seqs[i]'s generator if it has one."""
-        noise = torch.empty_like(probs)
+        u = torch.empty(len(seqs), 1, dtype=torch.float64)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), 1, generator=self.generator, dtype=torch.float64)
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=s.generator, dtype=torch.float64)
+        return inverse_cdf(probs, u)
 
     def uniform(self, seq: Sequence, n: int) -> list[float]:
         """``n`` draws from U[0, 1), from the request's own generator if it has one."""
         return torch.rand(n, generator=seq.generator or self.generator).tolist()
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative (unnormalized) mass exceeds u[i] times the row's total, for
+    u [rows, 1] in [0, 1). A token of zero mass is never chosen."""
+    cdf = probs.double().cumsum(dim=-1)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return index.clamp_max(probs.shape[1] - 1)  # u * total rounding up to the total itself
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -329,3 +329,17 @@ def test_llm_filters_that_keep_one_token_equal_greedy(llama_dir: pathlib.Path, p
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     free = llm.generate(prompts()[:3], SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=3))
     assert [o.token_ids for o in free] != [o.token_ids for o in want]  # unfiltered sampling does differ
+
+
+def test_inverse_cdf_never_picks_zero_mass_and_takes_unnormalized_rows() -> None:
+    from runtime.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0], [1e-9, 0.0, 0.0, 0.0, 0.0]])  # unnormalized, with zeros
+    u = torch.tensor([[0.0], [0.249999], [0.25], [0.999999999]], dtype=torch.float64)
+    rows = probs[[0, 0, 0, 0]]
+    assert inverse_cdf(rows, u).tolist() == [1, 1, 3, 3]  # 2 / 8 of the mass is token 1's
+    assert inverse_cdf(probs[[1, 1]], torch.tensor([[0.0], [0.9999999]], dtype=torch.float64)).tolist() == [0, 0]
+    draws = inverse_cdf(probs[[0]].expand(20000, 5), torch.rand(20000, 1, generator=torch.Generator().manual_seed(0),
+                                                                dtype=torch.float64))
+    counts = torch.bincount(draws, minlength=5).tolist()
+    assert counts[0] == counts[2] == counts[4] == 0 and abs(counts[1] / 20000 - 0.25) < 0.015
