@@ -4,14 +4,44 @@ One step's batch is flat: every scheduled token of every sequence in one row. Ne
 written to the pool by slot; queries then attend over their sequence's blocks. Decoding sequences (one
 query each) are attended together in one call; each prefill chunk gets its own call, so no query is
 padded to another's length.
+
+Decode groups on the CPU go to a C kernel (runtime/_cpu_attention.c) that reads each sequence's KV blocks in
+place, for exactly its own length; the gather-and-matmul path below remains for other devices and dtypes,
+for installs built without a C compiler, and under ``WARMSTART_CPU_ATTENTION=torch``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+_cpu_attention: ModuleType | None
+try:  # built by setup.py; absent where the install had no C compiler
+    from runtime import _cpu_attention
+except ImportError:  # pragma: no cover - depends on the install
+    _cpu_attention = None
+
+CPU_ATTENTION_ENV = "WARMSTART_CPU_ATTENTION"
+CPU_ATTENTION_CHOICES = ("kernel", "torch")
+
+
+def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_head: int, head_dim: int) -> bool:
+    """Whether the C decode kernel serves this model's pool (``WARMSTART_CPU_ATTENTION=torch`` turns it off)."""
+    choice = os.environ.get(CPU_ATTENTION_ENV) or "kernel"
+    if choice not in CPU_ATTENTION_CHOICES:
+        raise ValueError(f"{CPU_ATTENTION_ENV}={choice!r} is not one of {', '.join(CPU_ATTENTION_CHOICES)}")
+    return (
+        choice == "kernel"
+        and _cpu_attention is not None
+        and device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and heads_per_kv_head <= _cpu_attention.MAX_GROUP
+        and head_dim <= _cpu_attention.MAX_HEAD_DIM
+    )
 
 
 @dataclass
@@ -26,6 +56,7 @@ class AttentionGroup:
     block_size: int
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    key_ranges: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _pool_rows: torch.Tensor | None = None
 
     def pool_rows(self, kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -36,6 +67,14 @@ class AttentionGroup:
             heads = torch.arange(kv_heads)[:, None] * num_blocks
             self._pool_rows = (heads + self.block_tables.view(1, -1)).view(-1)
         return self._pool_rows
+
+    def key_range(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: the keys each query attends, as [start, end) indices into its row of ``block_tables``."""
+        if window not in self.key_ranges:
+            end = (self.query_positions.to(torch.int64) - self.first_key_position + 1).contiguous()
+            start = torch.zeros_like(end) if window is None else (end - window).clamp_(min=0)
+            self.key_ranges[window] = (start, end)
+        return self.key_ranges[window]
 
     def score_bias(self, window: int | None) -> torch.Tensor:
         """The mask as a float32 bias to add to scores: 0 where allowed, -inf elsewhere."""
@@ -77,8 +116,11 @@ def paged_attention(
     cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None,
+    decode_kernel: bool = False,
 ) -> torch.Tensor:
-    """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D]."""
+    """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D].
+
+    ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``)."""
     n, heads, head_dim = q.shape
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
@@ -86,7 +128,9 @@ def paged_attention(
     out = q.new_empty(n, heads * head_dim) if not whole else None
     for g in meta.groups:
         qg = q if whole else q[g.rows]
-        if g.is_decode:
+        if g.is_decode and decode_kernel:
+            o = _kernel_decode_attention(qg, cache, g, window)
+        elif g.is_decode:
             batch = g.block_tables.shape[0]
             k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)
             # [B, heads, D] -> [kv_heads, B, group, D]: the query heads sharing a KV head are rows of one block.
@@ -138,6 +182,26 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     """
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
     return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+
+
+def _kernel_decode_attention(
+    q: torch.Tensor, cache: torch.Tensor, g: AttentionGroup, window: int | None
+) -> torch.Tensor:
+    """q: [B, heads, D] -> [B, heads * D], by runtime/_cpu_attention.c over the pool in place."""
+    assert _cpu_attention is not None and cache.is_contiguous() and q.dtype == cache.dtype
+    batch, heads, head_dim = q.shape
+    _, kv_heads, num_blocks, block_size, _ = cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables = g.block_tables.to(torch.int64).contiguous()
+    start, end = g.key_range(window)
+    _cpu_attention.decode(
+        out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
+        tables.data_ptr(), start.data_ptr(), end.data_ptr(),
+        batch, heads, kv_heads, head_dim, block_size, tables.shape[1], num_blocks * block_size * head_dim,
+        head_dim**-0.5, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(batch, heads * head_dim)
 
 
 def _gather_blocks(pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -58,7 +58,7 @@ class Model:
         self.rotary = RotaryTables(config, max_positions, self.dtype, weights.embed.device)
         from runtime.ops import select_ops  # runtime.ops builds on this module's functions
 
-        self.ops = select_ops(weights.embed.device)
+        self.ops = select_ops(weights.embed.device, self.dtype, config)
         # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/tensor_parallel.py).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unsharded
         # Joins vocabulary-split logits (each tensor-parallel rank computes its slice of the head).

@@ -16,8 +16,9 @@ from runtime.scheduler import ScheduledBatch
 from runtime.sequence import Sequence, TokenLogprobs
 from runtime.speculative import verify
 
-# Fixed cost of one more decode group, in KV blocks' worth of attention work: a group costs a few ops per
-# layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
+# Fixed cost of one more decode group, in KV blocks' worth of attention work, where decode attention pads
+# every sequence to the longest of its group (the gather path of runtime/attention.py): a group costs a few
+# ops per layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
 # one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
 GRAPHS_ENV = "WARMSTART_CUDA_GRAPHS"  # "0": no CUDA graphs for decode on the CUDA path
@@ -142,8 +143,11 @@ class ModelRunner:
                 groups.append(self._group(slice(row, row + n), [chunk], torch.arange(start, start + n), False))
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))
             row += n
-        widths = [c.start // bs + 1 for c in decode_chunks]
-        for members in split_by_length(widths, DECODE_GROUP_COST_BLOCKS):
+        if self.model.ops.ragged_decode:
+            decode_groups = [list(range(len(decode_chunks)))] if decode_chunks else []
+        else:
+            decode_groups = split_by_length([c.start // bs + 1 for c in decode_chunks], DECODE_GROUP_COST_BLOCKS)
+        for members in decode_groups:
             members_chunks = [decode_chunks[i] for i in members]
             q_pos = torch.tensor([c.start for c in members_chunks])
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), members_chunks, q_pos, True))

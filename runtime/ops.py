@@ -20,6 +20,7 @@ from runtime.model import RotaryTables, apply_rotary, rms_norm
 from runtime.quant import linear
 
 if TYPE_CHECKING:
+    from runtime.config import ModelConfig
     from runtime.weights import LinearWeight
 
 KERNELS_ENV = "WARMSTART_KERNELS"
@@ -28,6 +29,9 @@ CHOICES = ("torch", "triton")
 
 class Ops(Protocol):
     name: str
+    # Decode attention costs each sequence only its own length, so the runner need not split decode
+    # sequences into length groups (runtime/model_runner.py) to save padding.
+    ragged_decode: bool
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -56,6 +60,10 @@ class Ops(Protocol):
 class TorchOps:
     name = "torch"
 
+    def __init__(self, decode_kernel: bool = False) -> None:
+        self.decode_kernel = decode_kernel  # decode attention on runtime/_cpu_attention.c
+        self.ragged_decode = decode_kernel
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
@@ -82,19 +90,23 @@ class TorchOps:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
         window: int | None,
     ) -> torch.Tensor:  # fmt: skip
-        return attention.paged_attention(q, k, v, cache, meta, window)
+        return attention.paged_attention(q, k, v, cache, meta, window, self.decode_kernel)
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, w, bias)
 
 
-def select_ops(device: torch.device) -> Ops:
-    """The ops for a model on ``device``, from WARMSTART_KERNELS or the device's default."""
+def select_ops(device: torch.device, dtype: torch.dtype = torch.float32, config: ModelConfig | None = None) -> Ops:
+    """The ops for a model (``config``, in ``dtype``) on ``device``, from WARMSTART_KERNELS or the device's
+    default. Without a config, decode attention takes the gather path."""
     choice = os.environ.get(KERNELS_ENV) or ("triton" if device.type == "cuda" else "torch")
     if choice not in CHOICES:
         raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
-        return TorchOps()
+        kernel = config is not None and attention.decode_kernel_serves(
+            device, dtype, config.num_heads // config.num_kv_heads, config.head_dim
+        )
+        return TorchOps(decode_kernel=kernel)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{KERNELS_ENV}=triton on the CPU runs the kernels under Triton's interpreter: also set "

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 class TritonOps:
     name = "triton"
+    ragged_decode = True  # the decode kernel loops over each sequence's own blocks only
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
