@@ -91,7 +91,7 @@ static void attend(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
         sum[g] = 0.f;
     }
     for (int64_t i = 0; i < n; i++) {
-        load_row(a, a->k, pool_offset(a, table, h, start + i), row);
+        load_row(a, a->k, row_offset(a, table, h, start + i), row);
         for (int64_t g = 0; g < group; g++) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -109,7 +109,7 @@ static void attend(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
         sum[g] = total;
     }
     for (int64_t i = 0; i < n; i++) {
-        load_row(a, a->v, pool_offset(a, table, h, start + i), row);
+        load_row(a, a->v, row_offset(a, table, h, start + i), row);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * n + i];
 #pragma omp simd
@@ -130,7 +130,7 @@ static void attend(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
 }
 
 /* AVX-512: head_dim a multiple of 16, one zmm per 16 elements of a row. The compiler vectorizes the portable
- * version poorly (a horizontal sum per dot product, expf one value at a time): measured 3-4x slower. */
+ * version poorly (a horizontal sum per dot product, expf one value at a time): it measured 2-3x slower. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 AVX512 static inline __m512 load16(const DecodeArgs *a, const void *base, int64_t offset) {
