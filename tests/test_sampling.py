@@ -343,3 +343,27 @@ def test_inverse_cdf_never_picks_zero_mass_and_takes_unnormalized_rows() -> None
                                                                 dtype=torch.float64))
     counts = torch.bincount(draws, minlength=5).tolist()
     assert counts[0] == counts[2] == counts[4] == 0 and abs(counts[1] / 20000 - 0.25) < 0.015
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 1024])
+def test_two_level_inverse_cdf_equals_one_cumulative_sum(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked, the inverse CDF picks what one float64 cumulative sum over the row picks, across chunk edges,
+    in rows whose first, last or only chunks have no mass, and never a token of zero mass."""
+    import runtime.sampler as sampler
+
+    monkeypatch.setattr(sampler, "CDF_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(64, 10, generator=gen)
+    probs[probs < 0.5] = 0.0  # scattered zeros
+    probs[0, :8] = 0.0  # mass only at the end
+    probs[1, 2:] = 0.0  # mass only at the start
+    probs[2, :] = 0.0
+    probs[2, 5] = 1e-9  # a single token
+    probs[:, 0] += (probs.sum(-1) == 0).float()  # no row without mass
+    u = torch.rand(64, 1, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([[0.0], [0.999999999999], [0.5], [1 - 2**-53]], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    flat = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(9)
+    got = sampler.inverse_cdf(probs, u)
+    assert got.tolist() == flat.tolist()
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
