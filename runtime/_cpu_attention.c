@@ -129,8 +129,8 @@ static void attend(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
     }
 }
 
-/* AVX-512: head_dim a multiple of 16, one zmm per 16 elements of a row. The compiler vectorizes the portable
- * version poorly (a horizontal sum per dot product, expf one value at a time): it measured 2-3x slower. */
+/* AVX-512: head_dim a multiple of 16, one zmm per 16 elements of a row. Written out by hand because the
+ * compiler vectorizes the portable version poorly: a horizontal sum per dot product, expf one value at a time. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 AVX512 static inline __m512 load16(const DecodeArgs *a, const void *base, int64_t offset) {
@@ -182,11 +182,18 @@ static inline void prefetch_rows(const DecodeArgs *a, const void *pool, int64_t 
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
 }
 
+/* How many keys from key j on form one tile: at most 16, within j's block, within the ``left`` still to go. */
+static inline int64_t tile_length(const DecodeArgs *a, int64_t j, int64_t left) {
+    int64_t m = a->block_size - j % a->block_size;
+    if (m > 16) m = 16;
+    return m < left ? m : left;
+}
+
 /* Keys are taken in tiles of up to 16 that lie in one block (rows contiguous in the pool). Inlined with
  * ``chunks`` (head_dim / 16) a constant for the common head sizes, so that a row's vectors stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void attend_avx512_impl(const DecodeArgs *a, int64_t b, int64_t h,
                                                                              float *scores, const int64_t chunks) {
-    const int64_t d_len = a->head_dim, group = a->heads / a->kv_heads, bs = a->block_size;
+    const int64_t d_len = a->head_dim, group = a->heads / a->kv_heads;
     const int64_t start = a->key_start[b], n = a->key_end[b] - start;
     const int64_t *table = a->tables + b * a->table_width;
     /* Flat, so that a small group's vectors sit together. */
@@ -205,9 +212,7 @@ AVX512 static inline __attribute__((always_inline)) void attend_avx512_impl(cons
     }
     for (int64_t i = 0, m; i < n; i += m) {
         const int64_t j = start + i, offset = row_offset(a, table, h, j);
-        m = bs - j % bs;
-        if (m > 16) m = 16;
-        if (m > n - i) m = n - i;
+        m = tile_length(a, j, n - i);
         if (i + m < n) prefetch_rows(a, a->k, row_offset(a, table, h, j + m), m);
         for (int64_t t = 0; t < 16; t++) {
             if (t >= m) {
@@ -243,9 +248,7 @@ AVX512 static inline __attribute__((always_inline)) void attend_avx512_impl(cons
     }
     for (int64_t i = 0, m; i < n; i += m) {
         const int64_t j = start + i, offset = row_offset(a, table, h, j);
-        m = bs - j % bs;
-        if (m > 16) m = 16;
-        if (m > n - i) m = n - i;
+        m = tile_length(a, j, n - i);
         if (i + m < n) prefetch_rows(a, a->v, row_offset(a, table, h, j + m), m);
         for (int64_t c = 0; c < chunks; c++) {
             for (int64_t t = 0; t < m; t++) row[t] = load16(a, a->v, offset + t * d_len + 16 * c);

@@ -29,9 +29,10 @@ CHOICES = ("torch", "triton")
 
 class Ops(Protocol):
     name: str
-    # Decode attention costs each sequence only its own length, so the runner need not split decode
-    # sequences into length groups (runtime/model_runner.py) to save padding.
-    ragged_decode: bool
+    @property
+    def ragged_decode(self) -> bool:
+        """Decode attention costs each sequence only its own length, so the runner need not split decode
+        sequences into length groups (runtime/model_runner.py) to save padding."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -62,7 +63,10 @@ class TorchOps:
 
     def __init__(self, decode_kernel: bool = False) -> None:
         self.decode_kernel = decode_kernel  # decode attention on runtime/_cpu_attention.c
-        self.ragged_decode = decode_kernel
+
+    @property
+    def ragged_decode(self) -> bool:
+        return self.decode_kernel
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
