@@ -121,7 +121,7 @@ def main() -> None:
 
     import torch
 
-    from runtime.config import ModelConfig
+    from runtime.models.config import ModelConfig
     from snapshot.adapters import AdapterSpec
     from snapshot.build import BuildOptions, build_snapshot
     from snapshot.cache import BlobCache

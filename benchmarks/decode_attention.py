@@ -3,7 +3,7 @@
     python benchmarks/decode_attention.py [--seqs 40] [--rounds 4]
 
 SmolLM2-135M shape (random weights, bf16); --seqs requests with prompts of 8-1,024 tokens are prefilled,
-then decode steps are timed, alternating between the kernel (runtime/_cpu_attention.c, all decoding
+then decode steps are timed, alternating between the kernel (runtime/kernels/cpu_attention.c, all decoding
 sequences in one call) and the PyTorch path (the blocks gathered, then two matmuls, in length groups as
 the runner makes them for it), --rounds rounds of 5 steps each; medians and the ratio. Both paths compute
 the same step on the same pool; the sequences grow by 5 tokens a round either way.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.ops import TorchOps  # noqa: E402
+from runtime.layers.ops import TorchOps  # noqa: E402
 
 
 def main() -> None:

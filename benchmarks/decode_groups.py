@@ -5,7 +5,7 @@
 SmolLM2-135M shape (random weights, bf16); --seqs requests with prompts of 8-1,024 tokens are prefilled,
 then decode steps are timed with runtime.model_runner.DECODE_GROUP_COST_BLOCKS set so that everything is one
 group (1e9) and to the split costs 32 / 64 / 128, alternating, 4 rounds of 5 steps; medians and the ratio.
-Length groups serve the gather path of runtime/attention.py, so it runs with WARMSTART_CPU_ATTENTION=torch
+Length groups serve the gather path of runtime/layers/attention.py, so it runs with WARMSTART_CPU_ATTENTION=torch
 (the C kernel, the default, needs no groups: benchmarks/decode_attention.py).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["WARMSTART_CPU_ATTENTION"] = "torch"
 
-import runtime.model_runner as model_runner  # noqa: E402
+import runtime.engine.model_runner as model_runner  # noqa: E402
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime import LLM, SamplingParams  # noqa: E402

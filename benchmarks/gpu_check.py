@@ -42,13 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
-from runtime.engine import EngineOptions, LLMEngine  # noqa: E402
-from runtime.model_runner import GRAPHS_ENV  # noqa: E402
+from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
+from runtime.engine.engine import EngineOptions, LLMEngine  # noqa: E402
+from runtime.engine.model_runner import GRAPHS_ENV  # noqa: E402
+from runtime.models.config import ModelConfig  # noqa: E402
+from runtime.models.weights import ModelWeights, load_weights  # noqa: E402
 from runtime.random_model import make_random_model  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.weights import ModelWeights, load_weights  # noqa: E402
 
 BENCH_MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
 
@@ -131,7 +131,7 @@ def engine_vs_transformers(dry: bool, device: torch.device) -> dict:
 
 FIRST_CALL = """
 import json, sys, torch
-from runtime.config import ModelConfig
+from runtime.models.config import ModelConfig
 from runtime.kernels import use_carried_cache
 use_carried_cache()
 from runtime.kernels.warmup import first_call_seconds

@@ -30,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime import EngineOptions, LLMEngine, SamplingParams, quant  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.model import Model  # noqa: E402
-from runtime.weights import ModelWeights, load_weights  # noqa: E402
+from runtime import EngineOptions, LLMEngine, SamplingParams  # noqa: E402
+from runtime.models.config import ModelConfig  # noqa: E402
+from runtime.models.model import Model  # noqa: E402
+from runtime.models.weights import ModelWeights, load_weights  # noqa: E402
+from runtime.quant import formats as quant  # noqa: E402
 
 VARIANTS = {"bf16": ("none", False), "fp32": ("none", False), "int8": ("int8", False),
             "int8+head": ("int8", True), "int4": ("int4", False), "nf4": ("nf4", False)}

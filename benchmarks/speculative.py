@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.engine import EngineOptions, LLMEngine  # noqa: E402
-from runtime.weights import LayerWeights, ModelWeights, load_weights  # noqa: E402
+from runtime.engine.engine import EngineOptions, LLMEngine  # noqa: E402
+from runtime.models.config import ModelConfig  # noqa: E402
+from runtime.models.weights import LayerWeights, ModelWeights, load_weights  # noqa: E402
 
 PROMPT_TOKENS = 32
 

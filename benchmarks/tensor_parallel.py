@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from runtime.config import ModelConfig
-    from runtime.engine import EngineOptions, LLMEngine
+    from runtime.engine.engine import EngineOptions, LLMEngine
+    from runtime.models.config import ModelConfig
+    from runtime.models.weights import load_weights
     from runtime.sampling_params import SamplingParams
-    from runtime.weights import load_weights
 
     torch.set_num_threads(args.threads)
     model = model_dir(SHARED_BENCH / "models" / f"{args.model}.json")
@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.world == 1:
         engine = LLMEngine.from_hf(model, options)
     else:
-        from runtime.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
+        from runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
 
         group = TensorParallelGroup(args.rank, args.world, timeout_s=600)
         config = ModelConfig.from_dir(model)

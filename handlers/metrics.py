@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector
 from handlers.coldstart import Timeline
 
 if TYPE_CHECKING:
+    from runtime.engine.tensor_parallel import CommStats
     from runtime.outputs import EngineStats
-    from runtime.tensor_parallel import CommStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "warmstart:"

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from handlers.openai_protocol import Generation, ServedModel
 
 if TYPE_CHECKING:
+    from runtime.engine.sequence import TokenLogprobs
     from runtime.outputs import RequestOutput
-    from runtime.sequence import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 

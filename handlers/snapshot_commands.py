@@ -85,7 +85,7 @@ def _common(parser: argparse.ArgumentParser, cache: bool = False) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the errors a user can cause into one clear sentence."""
-    from runtime.config import ModelConfigError
+    from runtime.models.config import ModelConfigError
     from snapshot.errors import StoreError
     from snapshot.format import FormatError
 

@@ -21,7 +21,7 @@ from handlers.snapshot_commands import adapter_summaries, selector_summary
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
-    from runtime.tensor_parallel import TensorParallelGroup
+    from runtime.engine.tensor_parallel import TensorParallelGroup
 
 
 @dataclass
@@ -99,7 +99,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         started = time.monotonic()
         blob_cache = BlobCache(cache)
         if tensor_parallel > 1:
-            from runtime.tensor_parallel import TensorParallelGroup
+            from runtime.engine.tensor_parallel import TensorParallelGroup
 
             state.group = TensorParallelGroup(timeout_s=collective_timeout)
         llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, **engine_options)
@@ -158,7 +158,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
 def _describe(e: Exception, ref: str) -> str:
     """One sentence for a load that failed: the loader's own errors say what to do; anything else is a bug."""
     try:
-        from runtime.config import ModelConfigError
+        from runtime.models.config import ModelConfigError
         from snapshot.errors import StoreError
         from snapshot.format import FormatError
         from snapshot.loader import SnapshotError

@@ -98,7 +98,7 @@ def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
     rank = os.environ.get("RANK", "?")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches rank 0 too, which stops the group cleanly
     try:
-        from runtime.tensor_parallel import TensorParallelGroup, follow
+        from runtime.engine.tensor_parallel import TensorParallelGroup, follow
         from snapshot.cache import BlobCache
         from snapshot.loader import load_with_report
 

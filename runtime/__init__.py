@@ -1,7 +1,7 @@
 """warmstart's engine: paged KV cache, continuous batching, Llama-family decoders."""
 
 from runtime.async_engine import AsyncLLM, EngineDeadError
-from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import EngineOptions, LLMEngine
 from runtime.llm import LLM
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.sampling_params import SamplingParams

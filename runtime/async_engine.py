@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.engine import EngineOptions, LLMEngine, Prompt
+from runtime.engine.engine import EngineOptions, LLMEngine, Prompt
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.sampling_params import SamplingParams
 

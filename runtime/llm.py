@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from runtime.engine import EngineOptions, LLMEngine, Prompt
+from runtime.engine.engine import EngineOptions, LLMEngine, Prompt
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from runtime.adapters import AdapterSelector, pooled_embedding, to_blocks
-from runtime.config import ModelConfig
-from runtime.engine import LLMEngine
+from runtime.engine.adapters import AdapterSelector, pooled_embedding, to_blocks
+from runtime.engine.engine import LLMEngine
+from runtime.models.config import ModelConfig
 from runtime.tokenizer import Tokenizer
 from snapshot.errors import BuildError
 

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 import runtime
-from runtime.adapters import alignment_advice, wasted_slots
-from runtime.config import ModelConfig, ModelConfigError, read_config_json
-from runtime.engine import DTYPES, EngineOptions, LLMEngine
-from runtime.model import Model
-from runtime.quant import SCHEMES, quantize_model
-from runtime.tensor_parallel import TensorParallelError, check_divisible, shard_kv, shard_weights
+from runtime.engine.adapters import alignment_advice, wasted_slots
+from runtime.engine.engine import DTYPES, EngineOptions, LLMEngine
+from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_kv, shard_weights
+from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
+from runtime.models.model import Model
+from runtime.models.weights import ModelWeights, checkpoint_files, convert_weights, read_checkpoint
+from runtime.quant.formats import SCHEMES, quantize_model
 from runtime.tokenizer import Tokenizer
-from runtime.weights import ModelWeights, checkpoint_files, convert_weights, read_checkpoint
 from snapshot.adapters import (
     AdapterSpec,
     PromptAdapter,
@@ -61,7 +61,7 @@ class PrefixSpec:
 @dataclass
 class BuildOptions:
     quant: str = "none"
-    group_size: int | None = None  # None: the largest that fits every layer (runtime.quant decides)
+    group_size: int | None = None  # None: the largest that fits every layer (runtime.quant.formats decides)
     dtype: str = "bfloat16"
     block_size: int = 16
     prefixes: list[PrefixSpec] = field(default_factory=list)
@@ -71,7 +71,7 @@ class BuildOptions:
     draft: Path | None = None  # a draft model's HF directory, for speculative decoding (snapshot.draft)
     draft_quant: str = "none"
     draft_group_size: int | None = None
-    tensor_parallel: int = 1  # ranks the weights and KV are sharded for (runtime/tensor_parallel.py)
+    tensor_parallel: int = 1  # ranks the weights and KV are sharded for (runtime/engine/tensor_parallel.py)
 
     def validate(self) -> None:
         if self.quant not in SCHEMES:

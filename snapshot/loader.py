@@ -18,12 +18,12 @@ import torch
 
 import runtime
 from runtime import LLM
-from runtime.adapters import AdapterSelector
-from runtime.config import ModelConfig
-from runtime.engine import EngineOptions, LLMEngine
-from runtime.quant import QuantizedWeight, from_tensors
+from runtime.engine.adapters import AdapterSelector
+from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.models.config import ModelConfig
+from runtime.models.weights import LayerWeights, ModelWeights
+from runtime.quant.formats import QuantizedWeight, from_tensors
 from runtime.tokenizer import Tokenizer
-from runtime.weights import LayerWeights, ModelWeights
 from snapshot.cache import BlobCache
 from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
 from snapshot.refs import resolve_ref
@@ -31,7 +31,7 @@ from snapshot.store import Store, open_store
 from snapshot.transfer import pull_snapshot
 
 if TYPE_CHECKING:
-    from runtime.tensor_parallel import TensorParallelGroup
+    from runtime.engine.tensor_parallel import TensorParallelGroup
 
 
 class SnapshotError(Exception):
@@ -124,7 +124,7 @@ def engine_from_manifest(
     tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
     shard_config = config
     if group is not None and group.world > 1:
-        from runtime.tensor_parallel import shard_config as sharded
+        from runtime.engine.tensor_parallel import shard_config as sharded
 
         shard_config = sharded(config, group.world)
     weights = _weights(shard_config, tensors, m.get("quantized", {}))
@@ -138,7 +138,7 @@ def engine_from_manifest(
     _check_fingerprint(m, sid)
     draft = _draft(m, mapped, sid) if options.speculative == "draft" else None
     if group is not None and group.world > 1:
-        from runtime.tensor_parallel import rank_engine
+        from runtime.engine.tensor_parallel import rank_engine
 
         if options.speculative is not None:
             raise SnapshotError("speculative decoding does not combine with tensor parallelism yet")

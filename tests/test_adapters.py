@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime import SamplingParams
-from runtime.adapters import alignment_advice, virtual_token_ids, wasted_slots
+from runtime.engine.adapters import alignment_advice, virtual_token_ids, wasted_slots
 from snapshot.adapters import AdapterSpec
 from snapshot.build import BuildError, BuildOptions, build_snapshot
 from snapshot.cache import BlobCache

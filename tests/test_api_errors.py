@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime import LLM, EngineOptions, LLMEngine, SamplingParams
-from runtime.config import ModelConfigError
+from runtime.models.config import ModelConfigError
 
 ModelDir = Callable[[str], pathlib.Path]
 VOCAB = 1000  # tests.model_configs.FAMILIES["llama"]["vocab_size"]

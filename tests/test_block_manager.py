@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runtime.block_manager as bm_module
-from runtime.block_manager import NO_PARENT, BlockManager, block_hashes
+import runtime.engine.block_manager as bm_module
+from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from runtime.engine.scheduler import ScheduledBatch, Scheduler
+from runtime.engine.sequence import Sequence, Status
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import ScheduledBatch, Scheduler
-from runtime.sequence import Sequence, Status
 
 NO_BLOCK = Sequence.NO_BLOCK
 

@@ -1,4 +1,4 @@
-"""Decode attention's C kernel (runtime/_cpu_attention.c) against the gather-and-matmul path it replaces."""
+"""Decode attention's C kernel (runtime/kernels/cpu_attention.c) against the gather-and-matmul path it replaces."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from runtime import attention
-from runtime.attention import AttentionGroup, AttentionMetadata, decode_kernel_serves, paged_attention
+from runtime.layers import attention
+from runtime.layers.attention import AttentionGroup, AttentionMetadata, decode_kernel_serves, paged_attention
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and attention._cpu_attention is None, reason="no C compiler here")
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(NO_COMPILER and attention._cpu_attention is None
 
 def test_the_kernel_was_built() -> None:
     """Where a C compiler exists the install must have built the kernel: a silent fallback would hide it."""
-    assert attention._cpu_attention is not None, "runtime._cpu_attention is missing: reinstall (pip install -e .)"
+    assert attention._cpu_attention is not None, "the C kernel is missing: reinstall (pip install -e .)"
 
 
 def make_case(

@@ -78,7 +78,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -
 
 
 def test_split_by_length_groups_every_sequence_once() -> None:
-    from runtime.model_runner import split_by_length
+    from runtime.engine.model_runner import split_by_length
 
     widths = [1, 40, 3, 38, 2, 41, 1]
     groups = split_by_length(widths, group_cost=8)
@@ -90,7 +90,7 @@ def test_split_by_length_groups_every_sequence_once() -> None:
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_decode_split_into_length_groups_matches(tiny_model_dir, family: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import runtime.model_runner as model_runner
+    import runtime.engine.model_runner as model_runner
 
     calls: list[int] = []
     split = model_runner.split_by_length

@@ -22,7 +22,7 @@ from runtime.kernels.rmsnorm import (  # noqa: E402
     rms_norm,
     rms_norm_reference,
 )
-from runtime.model import rms_norm as model_rms_norm  # noqa: E402
+from runtime.models.model import rms_norm as model_rms_norm  # noqa: E402
 from tests.test_import_chain import imported_after  # noqa: E402
 
 
@@ -80,13 +80,13 @@ def test_silu_and_mul_rejects_odd_width() -> None:
 
 
 def test_runtime_imports_neither_triton_nor_the_kernels() -> None:
-    modules = imported_after("import runtime, runtime.model, runtime.engine")
+    modules = imported_after("import runtime, runtime.models.model, runtime.engine.engine")
     assert "triton" not in modules and "runtime.kernels" not in modules
 
 
 def test_first_call_timings_cover_every_kernel() -> None:
-    from runtime.config import ModelConfig
     from runtime.kernels.warmup import first_call_seconds
+    from runtime.models.config import ModelConfig
     from tests.model_configs import FAMILIES
 
     config = ModelConfig.from_dict(FAMILIES["qwen3"])

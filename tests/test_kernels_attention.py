@@ -12,8 +12,6 @@ from tests.kernels_common import DEVICE, EPS, assert_close, randn  # sets TRITON
 
 pytestmark = pytest.mark.kernels
 
-from runtime.attention import AttentionGroup, AttentionMetadata, paged_attention  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
 from runtime.kernels.kv_cache import write_kv, write_kv_reference  # noqa: E402
 from runtime.kernels.paged_attention import (  # noqa: E402
     paged_attention_reference,
@@ -22,7 +20,9 @@ from runtime.kernels.paged_attention import (  # noqa: E402
 )
 from runtime.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
 from runtime.kernels.rotary import rotary_, rotary_reference  # noqa: E402
-from runtime.model import RotaryTables  # noqa: E402
+from runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention  # noqa: E402
+from runtime.models.config import ModelConfig  # noqa: E402
+from runtime.models.model import RotaryTables  # noqa: E402
 
 NUM_BLOCKS = 24
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 and group-wise int4 matmul kernels against the weights runtime.quant stores, dequantized."""
+"""Weight-only int8 and group-wise int4 matmul kernels against the weights runtime.quant.formats stores, dequantized."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.kernels_common import DEVICE, assert_close, randn  # sets TRITON_INTE
 pytestmark = pytest.mark.kernels
 
 from runtime.kernels.quant_matmul import quantized_linear, quantized_linear_reference  # noqa: E402
-from runtime.quant import INT4_LAYOUTS, Int4Weight, Int8Weight, _int4_codes_t, int4_layout  # noqa: E402
+from runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight, _int4_codes_t, int4_layout  # noqa: E402
 
 
 def tolerance(dtype: torch.dtype, in_features: int) -> tuple[float, float]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.packed_linear import PackedWeight, can_prepack
+from runtime.quant.packed_linear import PackedWeight, can_prepack
 from tests.model_configs import FAMILIES
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="oneDNN is not available")

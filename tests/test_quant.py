@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import LLM, EngineOptions, LLMEngine, SamplingParams, quant
-from runtime.config import ModelConfig
-from runtime.model import Model
+from runtime import LLM, EngineOptions, LLMEngine, SamplingParams
+from runtime.models.config import ModelConfig
+from runtime.models.model import Model
+from runtime.models.weights import LayerWeights, ModelWeights, load_weights
+from runtime.quant import formats as quant
 from runtime.tokenizer import Tokenizer
-from runtime.weights import LayerWeights, ModelWeights, load_weights
 
 ModelDir = Callable[[str], pathlib.Path]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -19,8 +19,8 @@ from handlers.cli import build_parser
 from handlers.coldstart import Timeline
 from handlers.state import Limits, ServeState, load_snapshot
 from runtime import SamplingParams
+from runtime.engine.speculative import DraftProposer
 from runtime.random_model import make_random_model, perturb_model
-from runtime.speculative import DraftProposer
 from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.loader import SnapshotError, load

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from runtime.config import ModelConfig
-from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.tensor_parallel import TensorParallelError, shard_config
+from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams
-from runtime.tensor_parallel import TensorParallelError, shard_config
 from snapshot.adapters import AdapterSpec
 from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from runtime.config import ModelConfig
-from runtime.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
+from runtime.models.config import ModelConfig
+from runtime.models.weights import load_weights
 from runtime.sampling_params import SamplingParams
-from runtime.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
-from runtime.weights import load_weights
 from snapshot.loader import load_with_report
 
 

@@ -12,8 +12,8 @@ try:
 except ImportError:  # the kernels are then unavailable; the references still work
     HAVE_TRITON = False
 
-from runtime.attention import write_kv as write_kv_reference  # the engine's own PyTorch op is the reference
 from runtime.kernels import require_triton
+from runtime.layers.attention import write_kv as write_kv_reference  # the engine's own PyTorch op is the reference
 
 __all__ = ["write_kv", "write_kv_reference"]
 

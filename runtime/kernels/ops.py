@@ -1,7 +1,7 @@
-"""The decoder's operations on the Triton kernels (see runtime.ops, which chooses between this and PyTorch).
+"""The decoder's operations on the Triton kernels (see runtime.layers.ops, which chooses between this and PyTorch).
 
 Float weights still go through cuBLAS (F.linear); int8 and int4 weights through the quantized matmul kernel;
-nf4 has no kernel here and keeps runtime.quant's path.
+nf4 has no kernel here and keeps runtime.quant.formats's path.
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.attention import AttentionMetadata
 from runtime.kernels.activation import silu_and_mul
 from runtime.kernels.kv_cache import write_kv
 from runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.quant_matmul import quantized_linear
 from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from runtime.kernels.rotary import rotary_
-from runtime.model import RotaryTables
-from runtime.quant import Int4Weight, Int8Weight, linear
+from runtime.layers.attention import AttentionMetadata
+from runtime.models.model import RotaryTables
+from runtime.quant.formats import Int4Weight, Int8Weight, linear
 
 if TYPE_CHECKING:
-    from runtime.weights import LinearWeight
+    from runtime.models.weights import LinearWeight
 
 
 class TritonOps:

@@ -1,4 +1,4 @@
-"""Weight-only int8 and group-wise int4 matmul, dequantizing inside the kernel, over runtime.quant's formats.
+"""Weight-only int8 and group-wise int4 matmul, dequantizing inside the kernel, over runtime.quant.formats's formats.
 
 The kernels read the snapshot's tensors as they are stored, so nothing is repacked for the GPU:
 - int8 (Int8Weight): qweight int8 [N, K], scales [N]; y = (x @ q.T) * scales.
@@ -25,7 +25,7 @@ except ImportError:  # the kernels are then unavailable; the references still wo
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton
-from runtime.quant import INT4_LAYOUTS, Int4Weight, Int8Weight
+from runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight
 
 
 def quantized_linear_reference(x: torch.Tensor, w: Int8Weight | Int4Weight) -> torch.Tensor:
@@ -42,7 +42,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _int4_codes(packed_ptr, n, k, N, K, LAYOUT_ROWS: tl.constexpr, HALVES: tl.constexpr):  # type: ignore[no-untyped-def]
-        """The 4-bit codes of W[n, k] for n: [1, BLOCK_N] and k: [BLOCK_K, 1], from runtime.quant's packing."""
+        """The 4-bit codes of W[n, k] for n: [1, BLOCK_N] and k: [BLOCK_K, 1], from runtime.quant.formats's packing."""
         full = N // LAYOUT_ROWS * LAYOUT_ROWS
         in_block = n % LAYOUT_ROWS
         if HALVES:

@@ -17,7 +17,7 @@ except ImportError:  # the kernels are then unavailable; the references still wo
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton
-from runtime.model import rms_norm as rms_norm_reference  # the engine's own PyTorch op is the reference
+from runtime.models.model import rms_norm as rms_norm_reference  # the engine's own PyTorch op is the reference
 
 
 def fused_add_rms_norm_reference(

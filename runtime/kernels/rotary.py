@@ -19,7 +19,7 @@ except ImportError:  # the kernels are then unavailable; the references still wo
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton
-from runtime.model import apply_rotary
+from runtime.models.model import apply_rotary
 
 
 def rotary_reference(

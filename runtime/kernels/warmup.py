@@ -12,15 +12,15 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.config import ModelConfig
 from runtime.kernels.activation import silu_and_mul
 from runtime.kernels.kv_cache import write_kv
 from runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.quant_matmul import quantized_linear
 from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from runtime.kernels.rotary import rotary_
-from runtime.model import RotaryTables
-from runtime.quant import Int8Weight
+from runtime.models.config import ModelConfig
+from runtime.models.model import RotaryTables
+from runtime.quant.formats import Int8Weight
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:

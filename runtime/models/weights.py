@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from runtime.config import ModelConfig, ModelConfigError
+from runtime.models.config import ModelConfig, ModelConfigError
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from runtime.packed_linear import PackedWeight
-    from runtime.quant import QuantizedWeight
+    from runtime.quant.formats import QuantizedWeight
+    from runtime.quant.packed_linear import PackedWeight
 
     LinearWeight: TypeAlias = torch.Tensor | QuantizedWeight | PackedWeight | PackedWeight
 

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import torch
 
-from runtime.adapters import AdapterSelector, VirtualPrefix, virtual_token_ids
-from runtime.block_manager import NO_PARENT, BlockManager, block_hashes
-from runtime.config import ModelConfig
-from runtime.model import Model
-from runtime.model_runner import ModelRunner
+from runtime.engine.adapters import AdapterSelector, VirtualPrefix, virtual_token_ids
+from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.scheduler import ScheduledBatch, Scheduler
+from runtime.engine.sequence import Sequence, TokenLogprobs
+from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
+from runtime.models.config import ModelConfig
+from runtime.models.model import Model
+from runtime.models.weights import ModelWeights, load_weights
 from runtime.outputs import EngineStats, RequestOutput
-from runtime.packed_linear import can_prepack, prepack_in_background
+from runtime.quant.packed_linear import can_prepack, prepack_in_background
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import ScheduledBatch, Scheduler
-from runtime.sequence import Sequence, TokenLogprobs
-from runtime.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.tokenizer import Detokenizer, Tokenizer
-from runtime.weights import ModelWeights, load_weights
 
 Prompt = str | list[int]
 
@@ -289,7 +289,7 @@ class LLMEngine:
 
     def load_adapter(self, name: str, kind: str, num_tokens: int, kv: torch.Tensor) -> VirtualPrefix:
         """Put an adapter's KV, [num_layers, 2, kv_heads, blocks, block_size, head_dim] for ``num_tokens``
-        virtual positions, into pinned pool blocks; requests then name it (see runtime/adapters.py)."""
+        virtual positions, into pinned pool blocks; requests then name it (see runtime/engine/adapters.py)."""
         c, bs = self.config, self.blocks.block_size
         num_blocks = -(-num_tokens // bs)
         expected = (c.num_layers, 2, c.num_kv_heads, num_blocks, bs, c.head_dim)

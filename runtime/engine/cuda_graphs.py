@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention import AttentionGroup, AttentionMetadata
-from runtime.model import Model
+from runtime.layers.attention import AttentionGroup, AttentionMetadata
+from runtime.models.model import Model
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 

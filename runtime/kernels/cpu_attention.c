@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV pool, for the CPU path (runtime/attention.py calls it).
+/* Decode attention over the paged KV pool, for the CPU path (runtime/layers/attention.py calls it).
  *
  * The PyTorch path gathers every sequence's KV blocks into a contiguous copy and then runs two batched
  * matmuls over it: the copy is written once and read twice, and every sequence is padded to the longest of
@@ -7,7 +7,7 @@
  * weighted sum of values. Pairs are spread over the threads with OpenMP; torch ships the same libgomp
  * (soname libgomp.so.1), so the process keeps one thread pool.
  *
- * Pool layout (runtime/model_runner.py): K and V each [kv_heads, num_blocks, block_size, head_dim],
+ * Pool layout (runtime/engine/model_runner.py): K and V each [kv_heads, num_blocks, block_size, head_dim],
  * contiguous. Queries and outputs: [batch, heads, head_dim], contiguous. Row b attends the keys
  * key_start[b] <= j < key_end[b], where key j lives in block tables[b, j / block_size] at offset
  * j % block_size. float32 or bfloat16; arithmetic in float32.
@@ -346,7 +346,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "runtime._cpu_attention", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "runtime.kernels._cpu_attention", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu_attention(void) {
     __builtin_cpu_init();

@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from runtime.attention import AttentionGroup, AttentionMetadata
-from runtime.config import ModelConfig
-from runtime.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
-from runtime.model import Model
-from runtime.model_runner import ModelRunner, StepInputs
-from runtime.quant import Int8Weight
+from runtime.engine.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
+from runtime.engine.model_runner import ModelRunner, StepInputs
+from runtime.layers.attention import AttentionGroup, AttentionMetadata
+from runtime.models.config import ModelConfig
+from runtime.models.model import Model
+from runtime.models.weights import LayerWeights, ModelWeights
+from runtime.quant.formats import Int8Weight
 from runtime.tokenizer import Tokenizer
-from runtime.weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
-    from runtime.weights import LinearWeight
+    from runtime.models.weights import LinearWeight
 
 DEFAULT_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT = timedelta(days=365)

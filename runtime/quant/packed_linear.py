@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runtime.weights import ModelWeights
+from runtime.models.weights import ModelWeights
 
 LINEAR_FIELDS = ("qkv", "o_proj", "gate_up", "down")
 

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from runtime.packed_linear import PackedWeight
-from runtime.weights import ModelWeights
+from runtime.models.weights import ModelWeights
+from runtime.quant.packed_linear import PackedWeight
 
 if TYPE_CHECKING:
-    from runtime.model import Model
-    from runtime.weights import LinearWeight
+    from runtime.models.model import Model
+    from runtime.models.weights import LinearWeight
 
 SCHEMES = ("none", "int8", "int4", "nf4")
 GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernel accepts; nf4 uses the same choices
@@ -518,7 +518,7 @@ def compare_to_float(
       length of the matching prefix of those tokens (one early difference changes everything after it, so
       this is the harsher measure).
     """
-    from runtime.engine import EngineOptions, LLMEngine
+    from runtime.engine.engine import EngineOptions, LLMEngine
     from runtime.sampling_params import SamplingParams
 
     logits = [(prompt_logits(float_model, p), prompt_logits(quant_model, p)) for p in prompts]
@@ -552,7 +552,7 @@ def _matching_prefix(a: list[int], b: list[int]) -> int:
 @torch.inference_mode()
 def prompt_logits(model: Model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """float32 logits at every position of one prompt, run as a single prefill chunk in a private KV pool."""
-    from runtime.attention import AttentionGroup, AttentionMetadata
+    from runtime.layers.attention import AttentionGroup, AttentionMetadata
 
     c, n = model.config, len(token_ids)
     blocks = -(-n // block_size)

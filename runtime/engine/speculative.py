@@ -21,10 +21,10 @@ from typing import Protocol
 
 import torch
 
-from runtime.block_manager import BlockManager
-from runtime.model import Model
-from runtime.sampler import Sampler
-from runtime.sequence import Sequence, TokenLogprobs
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.sampler import Sampler
+from runtime.engine.sequence import Sequence, TokenLogprobs
+from runtime.models.model import Model
 
 
 @dataclass
@@ -143,7 +143,7 @@ class DraftProposer:
     """
 
     def __init__(self, model: Model, blocks: BlockManager, sampler: Sampler) -> None:
-        from runtime.model_runner import Chunk, ModelRunner  # model_runner imports this module
+        from runtime.engine.model_runner import Chunk, ModelRunner  # model_runner imports this module
 
         self.chunk = Chunk
         self.runner = ModelRunner(model, blocks.num_blocks, blocks.block_size)

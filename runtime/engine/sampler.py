@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence, TokenLogprobs
 
 
 class Sampler:

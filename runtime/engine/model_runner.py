@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionGroup, AttentionMetadata
-from runtime.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
-from runtime.model import Model
-from runtime.sampler import Sampler
-from runtime.scheduler import ScheduledBatch
-from runtime.sequence import Sequence, TokenLogprobs
-from runtime.speculative import verify
+from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from runtime.engine.sampler import Sampler
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import Sequence, TokenLogprobs
+from runtime.engine.speculative import verify
+from runtime.layers.attention import AttentionGroup, AttentionMetadata
+from runtime.models.model import Model
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work, where decode attention pads
-# every sequence to the longest of its group (the gather path of runtime/attention.py): a group costs a few
+# every sequence to the longest of its group (the gather path of runtime/layers/attention.py): a group costs a few
 # ops per layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
 # one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
@@ -190,7 +190,7 @@ class ModelRunner:
     def virtual_tokens_kv(self, embeds: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """Run the model over input embeddings [n, hidden] at positions 0..n-1, writing their KV into
         ``blocks``; return that KV in the pool's layout, [num_layers, 2, kv_heads, len(blocks), block_size,
-        head_dim] (soft prompts: see runtime/adapters.py)."""
+        head_dim] (soft prompts: see runtime/engine/adapters.py)."""
         n = embeds.shape[0]
         assert len(blocks) == -(-n // self.block_size)
         self.forward([Chunk(blocks, [0] * n, 0, 0)], inputs_embeds=embeds.to(self.device, self.model.dtype))

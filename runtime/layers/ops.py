@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from runtime import attention
-from runtime.attention import AttentionMetadata
-from runtime.model import RotaryTables, apply_rotary, rms_norm
-from runtime.quant import linear
+from runtime.layers import attention
+from runtime.layers.attention import AttentionMetadata
+from runtime.models.model import RotaryTables, apply_rotary, rms_norm
+from runtime.quant.formats import linear
 
 if TYPE_CHECKING:
-    from runtime.config import ModelConfig
-    from runtime.weights import LinearWeight
+    from runtime.models.config import ModelConfig
+    from runtime.models.weights import LinearWeight
 
 KERNELS_ENV = "WARMSTART_KERNELS"
 CHOICES = ("torch", "triton")
@@ -32,7 +32,7 @@ class Ops(Protocol):
     @property
     def ragged_decode(self) -> bool:
         """Decode attention costs each sequence only its own length, so the runner need not split decode
-        sequences into length groups (runtime/model_runner.py) to save padding."""
+        sequences into length groups (runtime/engine/model_runner.py) to save padding."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -62,7 +62,7 @@ class TorchOps:
     name = "torch"
 
     def __init__(self, decode_kernel: bool = False) -> None:
-        self.decode_kernel = decode_kernel  # decode attention on runtime/_cpu_attention.c
+        self.decode_kernel = decode_kernel  # decode attention on runtime/kernels/cpu_attention.c
 
     @property
     def ragged_decode(self) -> bool:

@@ -5,7 +5,7 @@ written to the pool by slot; queries then attend over their sequence's blocks. D
 query each) are attended together in one call; each prefill chunk gets its own call, so no query is
 padded to another's length.
 
-Decode groups on the CPU go to a C kernel (runtime/_cpu_attention.c) that reads each sequence's KV blocks in
+Decode groups on the CPU go to a C kernel (runtime/kernels/cpu_attention.c) that reads each sequence's KV blocks in
 place, for exactly its own length; the gather-and-matmul path below remains for other devices and dtypes,
 for installs built without a C compiler, and under ``WARMSTART_CPU_ATTENTION=torch``.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 _cpu_attention: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
-    from runtime import _cpu_attention
+    from runtime.kernels import _cpu_attention
 except ImportError:  # pragma: no cover - depends on the install
     _cpu_attention = None
 
@@ -187,7 +187,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
 def _kernel_decode_attention(
     q: torch.Tensor, cache: torch.Tensor, g: AttentionGroup, window: int | None
 ) -> torch.Tensor:
-    """q: [B, heads, D] -> [B, heads * D], by runtime/_cpu_attention.c over the pool in place."""
+    """q: [B, heads, D] -> [B, heads * D], by runtime/kernels/cpu_attention.c over the pool in place."""
     assert _cpu_attention is not None and cache.is_contiguous() and q.dtype == cache.dtype
     batch, heads, head_dim = q.shape
     _, kv_heads, num_blocks, block_size, _ = cache.shape

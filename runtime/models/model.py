@@ -11,9 +11,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import AttentionMetadata
-from runtime.config import ModelConfig, rope_inv_freq
-from runtime.weights import ModelWeights
+from runtime.layers.attention import AttentionMetadata
+from runtime.models.config import ModelConfig, rope_inv_freq
+from runtime.models.weights import ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,10 +56,10 @@ class Model:
         self.weights = weights
         self.dtype = weights.embed.dtype
         self.rotary = RotaryTables(config, max_positions, self.dtype, weights.embed.device)
-        from runtime.ops import select_ops  # runtime.ops builds on this module's functions
+        from runtime.layers.ops import select_ops  # runtime.layers.ops builds on this module's functions
 
         self.ops = select_ops(weights.embed.device, self.dtype, config)
-        # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/tensor_parallel.py).
+        # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/engine/tensor_parallel.py).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unsharded
         # Joins vocabulary-split logits (each tensor-parallel rank computes its slice of the head).
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = _unsharded

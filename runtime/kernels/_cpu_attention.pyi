@@ -1,4 +1,4 @@
-# The C extension built from runtime/_cpu_attention.c; pointers are tensors' data_ptr().
+# The C extension built from runtime/kernels/cpu_attention.c; pointers are tensors' data_ptr().
 
 MAX_GROUP: int
 MAX_HEAD_DIM: int

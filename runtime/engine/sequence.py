@@ -52,7 +52,7 @@ class Sequence:
     generator: torch.Generator | None = None
     timestamps: Timestamps = field(default_factory=lambda: Timestamps(time.monotonic()))
     num_preemptions: int = 0
-    # An adapter's virtual tokens lead token_ids (see runtime/adapters.py); they are never computed, only
+    # An adapter's virtual tokens lead token_ids (see runtime/engine/adapters.py); they are never computed, only
     # served: full blocks by the prefix cache, the partial tail copied from ``virtual_tail_block``.
     adapter: str | None = None
     num_virtual_tokens: int = 0
