@@ -14,7 +14,7 @@ with the ratio to bf16 F.linear (> 1: slower). Candidates:
                    absmax, bf16 matmul (what the runtime does)
         grouped:   the same decode without the absmax pass; one matmul per block of input features, the
                    absmax applied to the [blocks, rows, out] partial products, which are then summed
-- runtime: what ``runtime.quant.linear`` picks for that row count.
+- runtime: what ``runtime.layers.linear.linear`` picks for that row count.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.layers.linear import linear  # noqa: E402
 from runtime.quant import formats as quant  # noqa: E402
+from runtime.quant.quantize import quantize  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -48,18 +50,18 @@ def nf4_grouped(w: quant.NF4Weight, x: torch.Tensor) -> torch.Tensor:
 
 
 def candidates(weight: torch.Tensor, group_size: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    i8 = quant.quantize(weight, "int8")
-    i4 = quant.quantize(weight, "int4", group_size)
-    nf = quant.quantize(weight, "nf4", 64)
+    i8 = quantize(weight, "int8")
+    i4 = quantize(weight, "int4", group_size)
+    nf = quantize(weight, "nf4", 64)
     assert isinstance(i8, quant.Int8Weight) and isinstance(i4, quant.Int4Weight) and isinstance(nf, quant.NF4Weight)
     return {
         "bf16": lambda x: F.linear(x, weight),
         "int8 fused": i8.fused,
         "int8 converted": i8.converted,
-        "int8 runtime": lambda x: quant.linear(x, i8),
+        "int8 runtime": lambda x: linear(x, i8),
         "int4 fused": i4.fused,
         "int4 converted": i4.converted,
-        "int4 runtime": lambda x: quant.linear(x, i4),
+        "int4 runtime": lambda x: linear(x, i4),
         "nf4 decode": nf.linear,
         "nf4 grouped": lambda x: nf4_grouped(nf, x),
     }

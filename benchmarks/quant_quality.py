@@ -28,13 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.quant_eval import compare_to_float, prompt_logits  # noqa: E402
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime import EngineOptions, LLMEngine, SamplingParams  # noqa: E402
 from runtime.models.config import ModelConfig  # noqa: E402
 from runtime.models.model import Model  # noqa: E402
+from runtime.models.quantize import quantize_model  # noqa: E402
 from runtime.models.weights import ModelWeights, load_weights  # noqa: E402
-from runtime.quant import formats as quant  # noqa: E402
 
 VARIANTS = {"bf16": ("none", False), "fp32": ("none", False), "int8": ("int8", False),
             "int8+head": ("int8", True), "int4": ("int4", False), "nf4": ("nf4", False)}
@@ -91,16 +92,16 @@ def main() -> None:
     for name in ["bf16"] + [v for v in args.variants if v != "bf16"]:  # the reference first
         scheme, head = VARIANTS[name]
         t = time.perf_counter()
-        weights = quant.quantize_model(fp32 if name == "fp32" else base, scheme, quantize_head=head)
+        weights = quantize_model(fp32 if name == "fp32" else base, scheme, quantize_head=head)
         quantize_s = time.perf_counter() - t
         models[name] = Model(config, weights, 4096)
         groups = {m.get("group_size") for m in weights.quant_meta().values()} - {None}
         rows[name] = {"weight_mib": weight_bytes(weights) / 2**20, "group_size": min(groups) if groups else None,
                       "quantize_s": quantize_s}
         if name != "bf16":
-            rows[name].update(quant.compare_to_float(models["bf16"], models[name], prompts, args.max_tokens))
+            rows[name].update(compare_to_float(models["bf16"], models[name], prompts, args.max_tokens))
     models.pop("fp32", None)  # quality only
-    logit_std = float(torch.cat([quant.prompt_logits(models["bf16"], p) for p in prompts]).std())
+    logit_std = float(torch.cat([prompt_logits(models["bf16"], p) for p in prompts]).std())
     speeds: dict[str, dict[str, list[float]]] = {n: {"b1": [], "b16": [], "prefill": []} for n in models}
     with torch.inference_mode():
         for _ in range(args.rounds):

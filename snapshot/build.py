@@ -19,12 +19,13 @@ import torch
 
 import runtime
 from runtime.engine.adapters import alignment_advice, wasted_slots
-from runtime.engine.engine import DTYPES, EngineOptions, LLMEngine
+from runtime.engine.engine import EngineOptions, LLMEngine
 from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_kv, shard_weights
 from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
 from runtime.models.model import Model
-from runtime.models.weights import ModelWeights, checkpoint_files, convert_weights, read_checkpoint
-from runtime.quant.formats import SCHEMES, quantize_model
+from runtime.models.quantize import quantize_model
+from runtime.models.weights import DTYPES, ModelWeights, checkpoint_files, convert_weights, read_checkpoint
+from runtime.quant.quantize import SCHEMES
 from runtime.tokenizer import Tokenizer
 from snapshot.adapters import (
     AdapterSpec,

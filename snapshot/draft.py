@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import runtime
-from runtime.engine.engine import DTYPES, LLMEngine
+from runtime.engine.engine import LLMEngine
 from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
-from runtime.models.weights import ModelWeights, load_weights
-from runtime.quant.formats import quantize_model
+from runtime.models.quantize import quantize_model
+from runtime.models.weights import DTYPES, ModelWeights, load_weights
 from snapshot.format import file_blob_id, kv_fingerprint
 
 if TYPE_CHECKING:

@@ -15,14 +15,11 @@ from tests.kernels_common import DEVICE, EPS, INTERPRETED, assert_close, randn  
 
 pytestmark = pytest.mark.kernels
 
-from runtime.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
-from runtime.kernels.rmsnorm import (  # noqa: E402
-    fused_add_rms_norm,
-    fused_add_rms_norm_reference,
-    rms_norm,
-    rms_norm_reference,
-)
-from runtime.models.model import rms_norm as model_rms_norm  # noqa: E402
+from runtime.kernels.activation import silu_and_mul  # noqa: E402
+from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
+from runtime.layers.activation import silu_and_mul as silu_and_mul_reference  # noqa: E402
+from runtime.layers.norm import add_rms_norm as fused_add_rms_norm_reference  # noqa: E402
+from runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
 from tests.test_import_chain import imported_after  # noqa: E402
 
 
@@ -60,13 +57,6 @@ def test_rms_norm_over_heads_normalizes_each_head() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_reference_is_the_models_arithmetic(dtype: torch.dtype) -> None:
-    x = randn(7, 80, dtype=dtype, seed=5)
-    weight = randn(80, dtype=dtype, seed=6)
-    assert torch.equal(rms_norm_reference(x, weight, EPS), model_rms_norm(x, weight, EPS))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("inter", [64, 80, 576, 1000])
 def test_silu_and_mul_matches_reference(inter: int, rows: int, dtype: torch.dtype) -> None:
@@ -79,9 +69,10 @@ def test_silu_and_mul_rejects_odd_width() -> None:
         silu_and_mul(torch.zeros(2, 7, device=DEVICE))
 
 
-def test_runtime_imports_neither_triton_nor_the_kernels() -> None:
+def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
     modules = imported_after("import runtime, runtime.models.model, runtime.engine.engine")
-    assert "triton" not in modules and "runtime.kernels" not in modules
+    kernels = {m for m in modules if m.startswith("runtime.kernels.")}
+    assert "triton" not in modules and kernels <= {"runtime.kernels._cpu_attention"}
 
 
 def test_first_call_timings_cover_every_kernel() -> None:

@@ -18,11 +18,12 @@ from runtime.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
 )
-from runtime.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
-from runtime.kernels.rotary import rotary_, rotary_reference  # noqa: E402
+from runtime.kernels.rmsnorm import rms_norm  # noqa: E402
+from runtime.kernels.rotary import rotary_  # noqa: E402
 from runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention  # noqa: E402
-from runtime.models.config import ModelConfig  # noqa: E402
-from runtime.models.model import RotaryTables  # noqa: E402
+from runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
+from runtime.layers.rotary import RotaryTables, apply_rotary, lookup  # noqa: E402
+from runtime.models.config import ModelConfig, rope_inv_freq  # noqa: E402
 
 NUM_BLOCKS = 24
 
@@ -168,14 +169,14 @@ def test_rotary_in_place_matches_reference(
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": 32, "rope_theta": 500000.0,
         "rope_scaling": rope_scaling, "rms_norm_eps": EPS, "max_position_embeddings": 256,
     })  # fmt: skip
-    tables = RotaryTables(config, 256, dtype)
+    tables = RotaryTables(*rope_inv_freq(config), 256, dtype)
     n = 9
     qkv = randn(n, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=head_dim) * 2
     q = qkv[:, : heads * head_dim].view(n, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim)
     positions = torch.tensor([0, 1, 5, 17, 63, 64, 100, 200, 255], device=DEVICE)
     cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
-    expected_q, expected_k = rotary_reference(q, k, cos, sin, positions)
+    expected_q, expected_k = apply_rotary(q, k, *lookup(cos, sin, positions))
     rotary_(q, k, cos, sin, positions)
     # Products are rounded before the sum: when the sum cancels, one bfloat16 ulp of a product (truncated
     # under the interpreter) is large next to the result, so the absolute tolerance is two ulps of the inputs.

@@ -12,11 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.quant_eval import compare_to_float
 from runtime import LLM, EngineOptions, LLMEngine, SamplingParams
+from runtime.layers.linear import linear
 from runtime.models.config import ModelConfig
 from runtime.models.model import Model
-from runtime.models.weights import LayerWeights, ModelWeights, load_weights
+from runtime.models.quantize import quantize_model
+from runtime.models.weights import LINEAR_FIELDS, LayerWeights, ModelWeights, load_weights
 from runtime.quant import formats as quant
+from runtime.quant.quantize import quantize
 from runtime.tokenizer import Tokenizer
 
 ModelDir = Callable[[str], pathlib.Path]
@@ -35,7 +39,7 @@ def weight(n: int = 160, k: int = 256, dtype: torch.dtype = torch.float32, seed:
 
 
 def quantized(w: torch.Tensor, scheme: str, group_size: int | None = None) -> quant.QuantizedWeight:
-    q = quant.quantize(w, scheme, group_size)
+    q = quantize(w, scheme, group_size)
     assert isinstance(q, quant.QuantizedWeight)
     return q
 
@@ -140,7 +144,7 @@ def assert_linear_matches(q: quant.QuantizedWeight, y: torch.Tensor, x: torch.Te
 def test_linear_equals_the_dequantized_matmul(scheme: str, dtype: torch.dtype, rows: int) -> None:
     q = quantized(weight(dtype=dtype), scheme, 32)
     x = randn(rows, 256, seed=rows, dtype=dtype)
-    assert_linear_matches(q, quant.linear(x, q), x)
+    assert_linear_matches(q, linear(x, q), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -157,26 +161,26 @@ def test_fused_kernel_and_converted_path_agree(scheme: str, dtype: torch.dtype) 
 def test_tiles_give_the_same_result_as_one_matmul(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     q = quantized(weight(n=208, dtype=torch.bfloat16), scheme, 32)  # 208 = 3 blocks of 64 and one of 16
     x = randn(70, 256, dtype=torch.bfloat16)
-    whole = quant.linear(x, q)
+    whole = linear(x, q)
     monkeypatch.setattr(quant, "TILE_ELEMENTS", 64 * 256)  # 64-row tiles, the last one partial
-    assert torch.equal(quant.linear(x, q), whole)
+    assert torch.equal(linear(x, q), whole)
 
 
 def test_linear_keeps_leading_dims_adds_bias_and_takes_no_rows() -> None:
     q = quantized(weight(), "int8")
     x, bias = randn(2, 3, 256), randn(160, seed=1)
     expected = F.linear(x, q.dequantize(), bias)
-    torch.testing.assert_close(quant.linear(x, q, bias), expected, rtol=1e-5, atol=1e-5)
-    assert quant.linear(randn(0, 256), q).shape == (0, 160)
+    torch.testing.assert_close(linear(x, q, bias), expected, rtol=1e-5, atol=1e-5)
+    assert linear(randn(0, 256), q).shape == (0, 160)
     w = weight()
-    assert torch.equal(quant.linear(x, w, bias), F.linear(x, w, bias))  # float weights: F.linear itself
+    assert torch.equal(linear(x, w, bias), F.linear(x, w, bias))  # float weights: F.linear itself
 
 
 def test_int8_bf16_in_features_not_a_multiple_of_16_avoid_the_kernel() -> None:
     # torch's bf16 _weight_int8pack_mm computes garbage (or crashes) for such shapes: the converted path runs.
     q = quantized(weight(n=32, k=40, dtype=torch.bfloat16), "int8")
     x = randn(3, 40, dtype=torch.bfloat16)
-    assert_linear_matches(q, quant.linear(x, q), x)
+    assert_linear_matches(q, linear(x, q), x)
 
 
 # -- snapshots: tensors, meta, from_tensors ------------------------------------------------------------------
@@ -194,7 +198,7 @@ def test_rebuilt_from_raw_bytes_computes_the_same(scheme: str, dtype: torch.dtyp
         assert t.data_ptr() == views[name].data_ptr()
     for rows in (1, 33, 97):
         x = randn(rows, 256, seed=rows, dtype=dtype)
-        assert torch.equal(quant.linear(x, rebuilt), quant.linear(x, q))
+        assert torch.equal(linear(x, rebuilt), linear(x, q))
 
 
 def test_int4_packed_for_another_cpu_is_repacked_on_load() -> None:
@@ -209,7 +213,7 @@ def test_int4_packed_for_another_cpu_is_repacked_on_load() -> None:
         foreign = {"packed": pack_int4(codes, other), "scales_zeros": q.scales_zeros}
         rebuilt = quant.from_tensors({**q.meta(), "layout": other}, foreign)
         assert isinstance(rebuilt, quant.Int4Weight) and rebuilt.layout == local
-        assert torch.equal(rebuilt.packed, q.packed) and torch.equal(quant.linear(x, rebuilt), quant.linear(x, q))
+        assert torch.equal(rebuilt.packed, q.packed) and torch.equal(linear(x, rebuilt), linear(x, q))
 
 
 def test_from_tensors_refuses_what_does_not_fit_its_meta() -> None:
@@ -230,18 +234,18 @@ def test_from_tensors_refuses_what_does_not_fit_its_meta() -> None:
 
 def test_group_size_that_does_not_divide_in_features_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="layers.3.down: in_features 96 is not a multiple of the int4 group size 64"):
-        quant.quantize(weight(k=96), "int4", 64, name="layers.3.down")
+        quantize(weight(k=96), "int4", 64, name="layers.3.down")
     with pytest.raises(ValueError, match="in_features 96 is not a multiple of the nf4 group size 64"):
-        quant.quantize(weight(k=96), "nf4", 64)
+        quantize(weight(k=96), "nf4", 64)
     with pytest.raises(ValueError, match="out_features 40 is not a multiple of 16"):
-        quant.quantize(weight(n=40), "int4", 32)
+        quantize(weight(n=40), "int4", 32)
     with pytest.raises(ValueError, match="group size must be one of 32, 64, 128, 256, got 48"):
-        quant.quantize(weight(), "int4", 48)
+        quantize(weight(), "int4", 48)
     with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
-        quant.quantize(weight(), "int3")
-    assert quant.quantize(weight(k=96), "int8").shape == (160, 96)  # int8 has no groups
+        quantize(weight(), "int3")
+    assert quantize(weight(k=96), "int8").shape == (160, 96)  # int8 has no groups
     w = weight()
-    assert quant.quantize(w, "none") is w
+    assert quantize(w, "none") is w
 
 
 def tiny_weights(tiny_model_dir: ModelDir, family: str, dtype: torch.dtype) -> tuple[ModelConfig, ModelWeights]:
@@ -254,35 +258,35 @@ def test_quantize_model_names_every_misfit_and_the_group_sizes_that_fit(tiny_mod
     _, weights = tiny_weights(tiny_model_dir, "llama", torch.float32)  # hidden 96
     fits = r"group size 128: layers.0.qkv: in_features 96 .*\(group sizes that fit: 32\)"
     with pytest.raises(ValueError, match=fits):
-        quant.quantize_model(weights, "int4", 128)
+        quantize_model(weights, "int4", 128)
     _, weights = tiny_weights(tiny_model_dir, "llama2_linear", torch.float32)  # intermediate 176 = 11 * 16
     with pytest.raises(ValueError, match=r"layers.0.down: in_features 176 .*\(no group size fits; use int8\)"):
-        quant.quantize_model(weights, "nf4")
+        quantize_model(weights, "nf4")
 
 
 def test_default_group_size_is_the_largest_that_fits(tiny_model_dir: ModelDir) -> None:
     _, weights = tiny_weights(tiny_model_dir, "qwen3", torch.float32)  # in_features 64, 128 and 160
-    q = quant.quantize_model(weights, "int4")
+    q = quantize_model(weights, "int4")
     assert {m["group_size"] for m in q.quant_meta().values()} == {32}
-    assert quant.quantize(weight(k=576), "int4").meta()["group_size"] == 64  # type: ignore[union-attr]
-    assert quant.quantize(weight(k=512), "int4").meta()["group_size"] == 128  # type: ignore[union-attr]
-    assert quant.quantize(weight(k=512), "nf4").meta()["group_size"] == 64  # type: ignore[union-attr]
+    assert quantize(weight(k=576), "int4").meta()["group_size"] == 64  # type: ignore[union-attr]
+    assert quantize(weight(k=512), "int4").meta()["group_size"] == 128  # type: ignore[union-attr]
+    assert quantize(weight(k=512), "nf4").meta()["group_size"] == 64  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("quantize_head", [False, True])
 def test_quantized_weights_list_their_parts_and_meta(tiny_model_dir: ModelDir, quantize_head: bool) -> None:
     _, weights = tiny_weights(tiny_model_dir, "qwen2", torch.float32)  # tied head, qkv bias
-    q = quant.quantize_model(weights, "int8", quantize_head=quantize_head)
+    q = quantize_model(weights, "int8", quantize_head=quantize_head)
     names = q.tensors()
     assert "layers.1.qkv.qweight" in names and "layers.1.qkv.scales" in names and "layers.1.qkv" not in names
     assert torch.equal(names["layers.1.qkv_bias"], weights.layers[1].qkv_bias)  # type: ignore[arg-type]
     assert names["embed"] is weights.embed and "layers.0.input_norm" in names
-    linears = {f"layers.{i}.{f}" for i in range(2) for f in quant.LINEAR_FIELDS}
+    linears = {f"layers.{i}.{f}" for i in range(2) for f in LINEAR_FIELDS}
     assert set(q.quant_meta()) == linears | ({"lm_head"} if quantize_head else set())
     assert ("lm_head.qweight" in names) == quantize_head and "lm_head" not in names  # tied float head: embed
     assert weights.quant_meta() == {}
     with pytest.raises(ValueError, match="layers.0.qkv is already quantized"):
-        quant.quantize_model(q, "int8")
+        quantize_model(q, "int8")
 
 
 # -- the engine ----------------------------------------------------------------------------------------------
@@ -312,7 +316,7 @@ def test_quantized_model_generates_and_survives_the_snapshot_round_trip(tiny_mod
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = ["The quick brown fox", "Once upon a time, in a small village by the sea", "Hello"]
     outputs = []
-    quantized_weights = quant.quantize_model(weights, scheme)
+    quantized_weights = quantize_model(weights, scheme)
     for w in (quantized_weights, rebuilt_from_snapshot_parts(quantized_weights)):
         engine = LLMEngine.from_weights(config, w, tokenizer, EngineOptions(dtype="bfloat16", num_kv_blocks=64))
         outputs.append([o.token_ids for o in LLM(engine).generate(prompts, params)])
@@ -333,13 +337,13 @@ def test_int8_stays_close_to_the_float_model(tiny_model_dir: ModelDir, family: s
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     float_model = Model(config, weights, 256)
-    report = quant.compare_to_float(float_model, Model(config, quant.quantize_model(weights, "int8"), 256), prompts)
+    report = compare_to_float(float_model, Model(config, quantize_model(weights, "int8"), 256), prompts)
     assert report["top1_agreement"] >= 0.9
     assert report["mean_matching_prefix"] >= 0.5 * report["max_tokens"]
     assert 0 < report["max_abs_logit_diff"] < 2.0  # logits have std ~2 in these models
-    same = quant.compare_to_float(float_model, float_model, prompts)
+    same = compare_to_float(float_model, float_model, prompts)
     assert same["max_abs_logit_diff"] == 0 and same["greedy_agreement"] == 1 and same["top1_agreement"] == 1
-    int4 = quant.compare_to_float(float_model, Model(config, quant.quantize_model(weights, "int4"), 256), prompts)
+    int4 = compare_to_float(float_model, Model(config, quantize_model(weights, "int4"), 256), prompts)
     assert int4["mean_abs_logit_diff"] > 5 * report["mean_abs_logit_diff"]  # 4 bits are visibly coarser
 
 
@@ -349,7 +353,7 @@ def test_scratch_buffers_made_under_inference_mode_serve_outside_it(scheme: str)
     under inference mode, a caller outside it must still be able to use them."""
     import threading
 
-    w = quant.quantize(weight(), scheme, 64 if scheme != "int8" else None)
+    w = quantize(weight(), scheme, 64 if scheme != "int8" else None)
     x = randn(3, 256, seed=1)
     results: list[torch.Tensor] = []
     errors: list[BaseException] = []
@@ -357,8 +361,8 @@ def test_scratch_buffers_made_under_inference_mode_serve_outside_it(scheme: str)
     def run() -> None:  # a new thread: no scratch buffers yet
         try:
             with torch.inference_mode():
-                results.append(quant.linear(x, w).clone())
-            results.append(quant.linear(x, w))
+                results.append(linear(x, w).clone())
+            results.append(linear(x, w))
         except BaseException as e:
             errors.append(e)
 

@@ -11,9 +11,10 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.rejection_sampler import accept
 from runtime.engine.sampler import Sampler
 from runtime.engine.sequence import Sequence
-from runtime.engine.speculative import accept, adapt_k, ngram_continuation
+from runtime.engine.speculative import adapt_k, ngram_continuation
 from runtime.random_model import make_random_model, perturb_model
 from tests.model_configs import FAMILIES
 from tests.test_engine_matches_transformers import make_prompts

@@ -19,16 +19,13 @@ from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.models.config import ModelConfig
 from runtime.models.model import Model
-from runtime.models.weights import ModelWeights, load_weights
+from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background
 from runtime.outputs import EngineStats, RequestOutput
-from runtime.quant.packed_linear import can_prepack, prepack_in_background
+from runtime.quant.packed_linear import can_prepack
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Detokenizer, Tokenizer
 
 Prompt = str | list[int]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from runtime.engine.rejection_sampler import verify
 from runtime.engine.sampler import Sampler
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence, TokenLogprobs
-from runtime.engine.speculative import verify
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.models.model import Model
 

@@ -2,11 +2,7 @@
 
 A decoding sequence with k proposals computes k + 1 tokens in one step (its last token and the
 proposals, causal over its cached prefix), which gives the target's distribution after each of them.
-The accept/resample rule (Leviathan et al. 2023, Chen et al. 2023) keeps proposal j with probability
-min(1, p(d) / q(d)) and otherwise samples from the normalized positive part of p - q, so every emitted
-token is distributed exactly as the target's sample would be; a proposal from prompt lookup is a point
-mass (q(d) = 1). Greedy requests accept a proposal iff it is the target's argmax, so their output is
-identical to decoding without speculation.
+The model runner verifies proposals by the accept/resample rule of runtime/engine/rejection_sampler.py.
 
 Proposers: prompt lookup (the continuation of the latest earlier match of the sequence's last n-gram)
 and a draft model. The draft model keeps its own KV pool indexed by the target's block ids, so it needs
@@ -22,8 +18,9 @@ from typing import Protocol
 import torch
 
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.model_runner import Chunk, ModelRunner
 from runtime.engine.sampler import Sampler
-from runtime.engine.sequence import Sequence, TokenLogprobs
+from runtime.engine.sequence import Sequence
 from runtime.models.model import Model
 
 
@@ -37,47 +34,6 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-
-def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """``logits`` [k + 1, vocab]: the target after the sequence's last token and each of its k proposals.
-    Returns the accepted proposals plus one token from the target, with their logprobs."""
-    params = seq.params
-    drafts = seq.spec_token_ids
-    if params.greedy:
-        best = logits.argmax(dim=-1).tolist()
-        m = 0
-        while m < len(drafts) and drafts[m] == best[m]:
-            m += 1
-        tokens = drafts[:m] + [best[m]]
-    else:
-        p = sampler.probs(logits, [params] * len(logits))
-        tokens = accept(sampler, p / p.sum(dim=-1, keepdim=True), drafts, seq.spec_probs, seq)
-    return tokens, sampler.logprobs(logits[: len(tokens)], tokens, [params] * len(tokens))
-
-
-def accept(
-    sampler: Sampler, p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq: Sequence
-) -> list[int]:
-    """The accept/resample rule. p: [k + 1, vocab] target probabilities; q: [k, vocab] the draft's (None:
-    point masses on the drafts). Randomness comes from the request's generator when it has a seed."""
-    k = len(drafts)
-    index = torch.tensor(drafts)
-    p_draft = p[torch.arange(k), index].tolist()
-    q_draft = q[torch.arange(k), index].tolist() if q is not None else [1.0] * k
-    uniforms = sampler.uniform(seq, k)
-    for j in range(k):
-        if uniforms[j] * q_draft[j] < p_draft[j]:  # u < p/q without dividing by a tiny q
-            continue
-        if q is not None:
-            residual = (p[j] - q[j]).clamp_min(0.0)
-        else:
-            residual = p[j].clone()
-            residual[drafts[j]] = 0.0
-        if float(residual.sum()) <= 0.0:  # p == q: a rejection had probability 0; rounding got here
-            residual = p[j]
-        return drafts[:j] + [int(sampler.draw(residual[None], [seq])[0])]
-    return drafts + [int(sampler.draw(p[k][None], [seq])[0])]
 
 
 def lookahead(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -143,9 +99,6 @@ class DraftProposer:
     """
 
     def __init__(self, model: Model, blocks: BlockManager, sampler: Sampler) -> None:
-        from runtime.engine.model_runner import Chunk, ModelRunner  # model_runner imports this module
-
-        self.chunk = Chunk
         self.runner = ModelRunner(model, blocks.num_blocks, blocks.block_size)
         self.blocks = blocks
         self.sampler = sampler
@@ -162,8 +115,8 @@ class DraftProposer:
             # Prompt tokens as the target computed them (a chunk), generated ones as one-token steps: the draft
             # then rounds as the target did, so a draft equal to the target is always accepted.
             split = min(max(start, seq.num_prompt_tokens), seq.num_tokens - 1)
-            prompt_part = [self.chunk(seq.block_table, seq.token_ids[start:split], start, 0)] if split > start else []
-            chunks.append([*prompt_part, self.chunk(seq.block_table, seq.token_ids[split:], split, 1, True)])
+            prompt_part = [Chunk(seq.block_table, seq.token_ids[start:split], start, 0)] if split > start else []
+            chunks.append([*prompt_part, Chunk(seq.block_table, seq.token_ids[split:], split, 1, True)])
             seq.spec_token_ids = []
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
@@ -176,7 +129,7 @@ class DraftProposer:
                 if q is not None:
                     probs[i].append(q)
                 position = seq.num_tokens - 1 + len(seq.spec_token_ids)
-                chunks[i] = [self.chunk(seq.block_table, [token], position, 1)]
+                chunks[i] = [Chunk(seq.block_table, [token], position, 1)]
             active = [i for i in active if len(seqs[i].spec_token_ids) < limits[i]]
         for seq, q_rows in zip(seqs, probs, strict=True):
             seq.spec_probs = torch.stack(q_rows) if q_rows else None

@@ -1,7 +1,9 @@
-"""Triton kernels for the CUDA path, each beside its PyTorch reference.
+"""Kernels that replace runtime/layers' PyTorch ops, each tested against the op it replaces: the Triton
+kernels of the CUDA path, and the CPU path's C decode-attention kernel (cpu_attention.c, built by setup.py
+as ``_cpu_attention``).
 
-``import runtime`` never imports this package; its modules import triton (when installed) only when they
-are themselves imported, so the CPU path starts fast and works where triton is absent. Triton decides at
+``import runtime`` imports only the C kernel from here; the Triton modules import triton (when installed)
+only when they are themselves imported, so the CPU path starts fast and works where triton is absent. Triton decides at
 decoration time, i.e. when a kernel module is imported, whether its kernels run compiled or under the
 interpreter: set ``TRITON_INTERPRET=1`` before importing one to run its kernels on CPU tensors.
 """

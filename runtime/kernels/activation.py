@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
 
     HAVE_TRITON = True
-except ImportError:  # the kernels are then unavailable; the references still work
+except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton
-
-
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
 
 if HAVE_TRITON:
 

@@ -6,7 +6,7 @@ nf4 has no kernel here and keeps runtime.quant.formats's path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,11 +17,9 @@ from runtime.kernels.quant_matmul import quantized_linear
 from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from runtime.kernels.rotary import rotary_
 from runtime.layers.attention import AttentionMetadata
-from runtime.models.model import RotaryTables
-from runtime.quant.formats import Int4Weight, Int8Weight, linear
-
-if TYPE_CHECKING:
-    from runtime.models.weights import LinearWeight
+from runtime.layers.linear import LinearWeight, linear
+from runtime.layers.rotary import RotaryTables
+from runtime.quant.formats import Int4Weight, Int8Weight
 
 
 class TritonOps:

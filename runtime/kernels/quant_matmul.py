@@ -21,7 +21,7 @@ try:
     from runtime.kernels.dot import dot
 
     HAVE_TRITON = True
-except ImportError:  # the kernels are then unavailable; the references still work
+except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton

@@ -1,7 +1,8 @@
 """RMSNorm, plain and fused with the residual add, one program per row.
 
-The arithmetic is runtime.model.rms_norm's: the residual add rounds to the input dtype, the norm runs in
-float32 (``x * rsqrt(mean(x^2) + eps)``), is cast back to the input dtype, then multiplied by the weight.
+The arithmetic is that of runtime/layers/norm.py, the reference the tests hold these kernels to: the residual
+add rounds to the input dtype, the norm runs in float32 (``x * rsqrt(mean(x^2) + eps)``), is cast back to the
+input dtype, then multiplied by the weight.
 """
 
 from __future__ import annotations
@@ -13,20 +14,10 @@ try:
     import triton.language as tl
 
     HAVE_TRITON = True
-except ImportError:  # the kernels are then unavailable; the references still work
+except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton
-from runtime.models.model import rms_norm as rms_norm_reference  # the engine's own PyTorch op is the reference
-
-
-def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual)."""
-    summed = x + residual
-    return rms_norm_reference(summed, weight, eps), summed
-
 
 if HAVE_TRITON:
 

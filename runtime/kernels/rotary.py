@@ -15,20 +15,10 @@ try:
     import triton.language as tl
 
     HAVE_TRITON = True
-except ImportError:  # the kernels are then unavailable; the references still work
+except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
 from runtime.kernels import require_triton
-from runtime.models.model import apply_rotary
-
-
-def rotary_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """New tensors, as the engine computes them."""
-    c, s = cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
-    return apply_rotary(q, k, c, s)
-
 
 if HAVE_TRITON:
 

@@ -18,8 +18,8 @@ from runtime.kernels.paged_attention import paged_decode_attention, paged_prefil
 from runtime.kernels.quant_matmul import quantized_linear
 from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from runtime.kernels.rotary import rotary_
-from runtime.models.config import ModelConfig
-from runtime.models.model import RotaryTables
+from runtime.layers.rotary import RotaryTables
+from runtime.models.config import ModelConfig, rope_inv_freq
 from runtime.quant.formats import Int8Weight
 
 
@@ -45,7 +45,7 @@ def kernel_calls(
     q, k, v = rand(n, c.num_heads, c.head_dim), rand(n, c.num_kv_heads, c.head_dim), rand(n, c.num_kv_heads, c.head_dim)
     cache = torch.zeros(2, c.num_kv_heads, blocks * 2, block_size, c.head_dim, dtype=dtype, device=device)
     tables = torch.arange(blocks * 2, dtype=torch.int32, device=device).view(2, blocks)
-    rotary = RotaryTables(c, 64, dtype)
+    rotary = RotaryTables(*rope_inv_freq(c), 64, dtype)
     cos, sin = rotary.cos.to(device), rotary.sin.to(device)
     positions = torch.arange(n, device=device)
     lens = torch.tensor([block_size * blocks - 3, 5], dtype=torch.int32, device=device)

@@ -9,19 +9,16 @@ set before the process starts), which is how the CUDA path's wiring is proven wi
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from runtime.layers import attention
+from runtime.layers.activation import silu_and_mul
 from runtime.layers.attention import AttentionMetadata
-from runtime.models.model import RotaryTables, apply_rotary, rms_norm
-from runtime.quant.formats import linear
-
-if TYPE_CHECKING:
-    from runtime.models.config import ModelConfig
-    from runtime.models.weights import LinearWeight
+from runtime.layers.linear import LinearWeight, linear
+from runtime.layers.norm import add_rms_norm, rms_norm
+from runtime.layers.rotary import RotaryTables, apply_rotary
 
 KERNELS_ENV = "WARMSTART_KERNELS"
 CHOICES = ("torch", "triton")
@@ -74,12 +71,10 @@ class TorchOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = residual + x
-        return self.rms_norm(summed, weight, eps), summed
+        return add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
     def rotary_args(self, tables: RotaryTables, positions: torch.Tensor) -> Any:
         return tables.lookup(positions)
@@ -100,22 +95,24 @@ class TorchOps:
         return linear(x, w, bias)
 
 
-def select_ops(device: torch.device, dtype: torch.dtype = torch.float32, config: ModelConfig | None = None) -> Ops:
-    """The ops for a model (``config``, in ``dtype``) on ``device``, from WARMSTART_KERNELS or the device's
-    default. Without a config, decode attention takes the gather path."""
+def select_ops(
+    device: torch.device, dtype: torch.dtype = torch.float32, attention_shape: tuple[int, int] | None = None
+) -> Ops:
+    """The ops for a model in ``dtype`` on ``device``, from WARMSTART_KERNELS or the device's default.
+    ``attention_shape``: the model's (query heads per KV head, head_dim); without it, decode attention on the
+    CPU takes the gather path."""
     choice = os.environ.get(KERNELS_ENV) or ("triton" if device.type == "cuda" else "torch")
     if choice not in CHOICES:
         raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
-        kernel = config is not None and attention.decode_kernel_serves(
-            device, dtype, config.num_heads // config.num_kv_heads, config.head_dim
-        )
+        kernel = attention_shape is not None and attention.decode_kernel_serves(device, dtype, *attention_shape)
         return TorchOps(decode_kernel=kernel)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{KERNELS_ENV}=triton on the CPU runs the kernels under Triton's interpreter: also set "
             "TRITON_INTERPRET=1 before starting (or use the default PyTorch path)"
         )
+    # Imported here, not at the top: the CPU path never pays for importing triton (cold start).
     from runtime.kernels import use_carried_cache
 
     use_carried_cache()

@@ -12,57 +12,31 @@ import torch
 import torch.nn.functional as F
 
 from runtime.layers.attention import AttentionMetadata
+from runtime.layers.ops import select_ops
+from runtime.layers.rotary import RotaryTables
 from runtime.models.config import ModelConfig, rope_inv_freq
 from runtime.models.weights import ModelWeights
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class RotaryTables:
-    """cos/sin for every position up to ``max_positions``, computed once."""
-
-    def __init__(
-        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device | None = None
-    ) -> None:
-        inv_freq, scale = rope_inv_freq(config)
-        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions, shaped to broadcast over heads: [N, 1, head_dim]."""
-        return self.cos.index_select(0, positions)[:, None, :], self.sin.index_select(0, positions)[:, None, :]
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+Collective = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, max_positions: int) -> None:
+    """``reduce`` sums a row-parallel layer's partial outputs across tensor-parallel ranks, ``gather_logits``
+    joins vocabulary-split logits (each rank computes its slice of the head); both are the identity unless
+    the model is one rank's shard (runtime/engine/tensor_parallel.py)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, max_positions: int,
+        reduce: Collective | None = None, gather_logits: Collective | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.weights = weights
         self.dtype = weights.embed.dtype
-        self.rotary = RotaryTables(config, max_positions, self.dtype, weights.embed.device)
-        from runtime.layers.ops import select_ops  # runtime.layers.ops builds on this module's functions
-
-        self.ops = select_ops(weights.embed.device, self.dtype, config)
-        # Sums a row-parallel layer's partial outputs across tensor-parallel ranks (runtime/engine/tensor_parallel.py).
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _unsharded
-        # Joins vocabulary-split logits (each tensor-parallel rank computes its slice of the head).
-        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = _unsharded
+        device = weights.embed.device
+        self.rotary = RotaryTables(*rope_inv_freq(config), max_positions, self.dtype, device)
+        self.ops = select_ops(device, self.dtype, (config.num_heads // config.num_kv_heads, config.head_dim))
+        self.reduce: Collective = reduce or _unsharded
+        self.gather_logits: Collective = gather_logits or _unsharded
 
     def forward(
         self,

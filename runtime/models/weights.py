@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from runtime.layers.linear import LinearWeight
 from runtime.models.config import ModelConfig, ModelConfigError
+from runtime.quant.packed_linear import PackedWeight
 
-if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    from runtime.quant.formats import QuantizedWeight
-    from runtime.quant.packed_linear import PackedWeight
-
-    LinearWeight: TypeAlias = torch.Tensor | QuantizedWeight | PackedWeight | PackedWeight
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LINEAR_FIELDS = ("qkv", "o_proj", "gate_up", "down")  # a layer's matrices, which quantize and prepack
 
 
 @dataclass
@@ -174,3 +172,29 @@ def convert_weights(
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
         raise ModelConfigError(f"{source}: unexpected tensors for {c.architecture}: {shown}")
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def prepack_in_background(*models: ModelWeights) -> threading.Thread:
+    """Pack the decoder's float linear layers and the head in place (runtime/quant/packed_linear.py), one by
+    one, on a background thread.
+
+    The engine serves from the plain weights meanwhile and picks up each packed one at its next use (the
+    results are bit-identical), so packing adds nothing to a cold start's time to ready. The embedding
+    stays as it is (a lookup; a tied head gets a packed copy).
+    """
+
+    def pack_all() -> None:
+        for weights in models:  # the model, then a speculative draft model if there is one
+            for layer in weights.layers:
+                for name in LINEAR_FIELDS:
+                    w = getattr(layer, name)
+                    if isinstance(w, torch.Tensor):
+                        setattr(layer, name, PackedWeight(w))
+            if isinstance(weights.lm_head, torch.Tensor):
+                weights.lm_head = PackedWeight(weights.lm_head)
+
+    # Not a daemon: a process that exits while a reorder is running inside oneDNN aborts (SIGABRT); at exit
+    # the interpreter waits for the thread instead (a fraction of a second at most).
+    thread = threading.Thread(target=pack_all, name="warmstart-prepack")
+    thread.start()
+    return thread

@@ -34,23 +34,9 @@ import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
-
-from runtime.models.weights import ModelWeights
-from runtime.quant.packed_linear import PackedWeight
-
-if TYPE_CHECKING:
-    from runtime.models.model import Model
-    from runtime.models.weights import LinearWeight
-
-SCHEMES = ("none", "int8", "int4", "nf4")
-GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernel accepts; nf4 uses the same choices
-DEFAULT_GROUP_SIZE = {"int4": 128, "nf4": 64}  # the largest that fits, up to these, when none is given
-LINEAR_FIELDS = ("qkv", "o_proj", "gate_up", "down")
 
 # Above these row counts a matmul of converted weights beats the fused kernels (see the module docstring).
 INT8_KERNEL_MAX_ROWS = 16
@@ -393,23 +379,6 @@ def _expect(meta: dict[str, Any], tensors: dict[str, torch.Tensor], parts: dict[
             )
 
 
-# -- public -------------------------------------------------------------------------------------------------
-
-
-def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a float weight (bit for bit), the weight's own kernel for a quantized or packed one."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
-    if isinstance(w, PackedWeight):
-        return w.linear(x, bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = w.linear(x2) if x2.shape[0] else x2.new_empty(0, w.shape[0])
-    if bias is not None:
-        y = y + bias
-    return y.view(*lead, w.shape[0])
-
-
 def from_tensors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
     """Rebuild a quantized weight from its meta and tensors (views of a mapped snapshot: nothing is copied,
     except an int4 weight packed for another kind of CPU)."""
@@ -417,151 +386,3 @@ def from_tensors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Quan
     if cls is None:
         raise ValueError(f"unknown quantization scheme {meta.get('scheme')!r}; known: {', '.join(_CLASSES)}")
     return cls.from_tensors(meta, tensors)
-
-
-def quantize(
-    weight: torch.Tensor, scheme: str, group_size: int | None = None, name: str = "weight"
-) -> torch.Tensor | QuantizedWeight:
-    """Quantize one [out_features, in_features] matrix (``none`` returns it as is). ``group_size`` is int4's
-    group and nf4's block along in_features (by default the largest that fits, up to 128 for int4 and 64 for
-    nf4); int8 has one scale per output channel."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    if scheme == "none":
-        return weight
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"{name}: expected a 2-d float matrix, got {weight.dtype} {tuple(weight.shape)}")
-    shape = (weight.shape[0], weight.shape[1])
-    gs = _group_size(scheme, group_size, [shape])
-    problem = _misfit(shape, scheme, gs)
-    if problem:
-        raise ValueError(f"{name}: {problem}")
-    if scheme == "int8":
-        return Int8Weight.quantize(weight)
-    if scheme == "int4":
-        return Int4Weight.quantize(weight, gs)
-    return NF4Weight.quantize(weight, gs)
-
-
-def quantize_model(
-    weights: ModelWeights, scheme: str, group_size: int | None = None, *, quantize_head: bool = False
-) -> ModelWeights:
-    """The decoder's linear layers (qkv, o_proj, gate_up, down) quantized; embedding, norms and biases stay float.
-
-    The head stays float unless ``quantize_head``: its errors land on the logits unaveraged, and a tied head
-    is the embedding itself, so a quantized head would be a second copy (see benchmarks/quant_quality.py).
-    """
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    if scheme == "none":
-        return weights
-    named = {f"layers.{i}.{f}": getattr(layer, f) for i, layer in enumerate(weights.layers) for f in LINEAR_FIELDS}
-    if quantize_head:
-        named["lm_head"] = weights.lm_head
-    already = [n for n, w in named.items() if not isinstance(w, torch.Tensor)]
-    if already:
-        raise ValueError(f"{already[0]} is already quantized")
-    shapes = {n: (w.shape[0], w.shape[1]) for n, w in named.items()}
-    group_size = _group_size(scheme, group_size, list(shapes.values()))
-    _check_fits(shapes, scheme, group_size)
-    q = {n: quantize(w, scheme, group_size, n) for n, w in named.items()}
-    layers = [
-        replace(layer, **{f: q[f"layers.{i}.{f}"] for f in LINEAR_FIELDS})  # type: ignore[arg-type]
-        for i, layer in enumerate(weights.layers)
-    ]
-    return replace(weights, layers=layers, lm_head=q.get("lm_head", weights.lm_head))
-
-
-def _group_size(scheme: str, group_size: int | None, shapes: list[tuple[int, int]]) -> int:
-    """The given group size, checked; by default the largest up to the scheme's default that fits every
-    matrix (SmolLM2's 576 features take 64, not 128), or the default itself when none does."""
-    if scheme not in DEFAULT_GROUP_SIZE:
-        return 0
-    if group_size is None:
-        default = DEFAULT_GROUP_SIZE[scheme]
-        fits = [g for g in GROUP_SIZES if g <= default and all(_misfit(s, scheme, g) is None for s in shapes)]
-        return max(fits, default=default)
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"{scheme} group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
-    return group_size
-
-
-def _misfit(shape: tuple[int, int], scheme: str, group_size: int) -> str | None:
-    """Why a [out, in] matrix cannot take ``scheme`` with ``group_size``, or None."""
-    n, k = shape
-    if scheme in ("int4", "nf4") and k % group_size:
-        return f"in_features {k} is not a multiple of the {scheme} group size {group_size}"
-    if scheme == "int4" and n % 16:
-        return f"out_features {n} is not a multiple of 16, which PyTorch's int4 kernel needs"
-    return None
-
-
-def _check_fits(shapes: dict[str, tuple[int, int]], scheme: str, gs: int) -> None:
-    """One error naming every matrix that does not fit, and the group sizes that would."""
-    bad = {n: p for n, s in shapes.items() if (p := _misfit(s, scheme, gs))}
-    if not bad:
-        return
-    shown = "; ".join(f"{n}: {p}" for n, p in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
-    fits = [g for g in GROUP_SIZES if all(_misfit(s, scheme, g) is None for s in shapes.values())]
-    hint = f"group sizes that fit: {', '.join(map(str, fits))}" if fits else "no group size fits; use int8"
-    raise ValueError(f"cannot quantize to {scheme} with group size {gs}: {shown} ({hint})")
-
-
-def compare_to_float(
-    float_model: Model, quant_model: Model, prompts: list[list[int]], max_tokens: int = 16
-) -> dict[str, float]:
-    """How far a quantized model is from its float original:
-
-    - max/mean abs logit difference over every position of every prompt (teacher-forced on the prompt), and
-      the fraction of those positions whose top token is the same;
-    - greedy agreement: the fraction of prompts whose ``max_tokens`` greedy tokens all match, and the mean
-      length of the matching prefix of those tokens (one early difference changes everything after it, so
-      this is the harsher measure).
-    """
-    from runtime.engine.engine import EngineOptions, LLMEngine
-    from runtime.sampling_params import SamplingParams
-
-    logits = [(prompt_logits(float_model, p), prompt_logits(quant_model, p)) for p in prompts]
-    diffs = [(f - q).abs() for f, q in logits]
-    same_top = sum(int((f.argmax(-1) == q.argmax(-1)).sum()) for f, q in logits)
-    outputs = []
-    for model in (float_model, quant_model):
-        blocks = len(prompts) * (-(-(max(map(len, prompts)) + max_tokens) // 16) + 1)
-        engine = LLMEngine(model, None, EngineOptions(num_kv_blocks=blocks, max_num_seqs=len(prompts)))
-        for p in prompts:
-            engine.add_request(list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
-        outputs.append([done[k] for k in sorted(done, key=lambda r: int(r.split("-")[1]))])
-    prefixes = [_matching_prefix(f, q) for f, q in zip(*outputs, strict=True)]
-    return {
-        "max_abs_logit_diff": max(float(d.max()) for d in diffs),
-        "mean_abs_logit_diff": float(torch.cat([d.flatten() for d in diffs]).mean()),
-        "top1_agreement": same_top / sum(map(len, prompts)),
-        "greedy_agreement": sum(n == max_tokens for n in prefixes) / len(prompts),
-        "mean_matching_prefix": sum(prefixes) / len(prompts),
-        "max_tokens": max_tokens,
-    }
-
-
-def _matching_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-
-
-@torch.inference_mode()
-def prompt_logits(model: Model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """float32 logits at every position of one prompt, run as a single prefill chunk in a private KV pool."""
-    from runtime.layers.attention import AttentionGroup, AttentionMetadata
-
-    c, n = model.config, len(token_ids)
-    blocks = -(-n // block_size)
-    shape = (2, c.num_kv_heads, blocks, block_size, c.head_dim)
-    caches = [torch.zeros(shape, dtype=model.dtype) for _ in range(c.num_layers)]
-    positions = torch.arange(n)
-    group = AttentionGroup(
-        rows=slice(0, n), block_tables=torch.arange(blocks)[None], query_positions=positions,
-        first_key_position=0, is_decode=False, block_size=block_size,
-    )
-    meta = AttentionMetadata(slot_mapping=positions, groups=[group])
-    return model.forward(torch.tensor(token_ids), positions, caches, meta, positions)

@@ -9,14 +9,9 @@ whose arithmetic the transformers comparison pins down, and quantized weights ke
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
-
-from runtime.models.weights import ModelWeights
-
-LINEAR_FIELDS = ("qkv", "o_proj", "gate_up", "down")
 
 
 class PackedWeight:
@@ -39,28 +34,3 @@ class PackedWeight:
 
 def can_prepack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-
-
-def prepack_in_background(*models: ModelWeights) -> threading.Thread:
-    """Pack the decoder's float linear layers and the head in place, one by one, on a background thread.
-
-    The engine serves from the plain weights meanwhile and picks up each packed one at its next use (the
-    results are bit-identical), so packing adds nothing to a cold start's time to ready. The embedding
-    stays as it is (a lookup; a tied head gets a packed copy).
-    """
-
-    def pack_all() -> None:
-        for weights in models:  # the model, then a speculative draft model if there is one
-            for layer in weights.layers:
-                for name in LINEAR_FIELDS:
-                    w = getattr(layer, name)
-                    if isinstance(w, torch.Tensor):
-                        setattr(layer, name, PackedWeight(w))
-            if isinstance(weights.lm_head, torch.Tensor):
-                weights.lm_head = PackedWeight(weights.lm_head)
-
-    # Not a daemon: a process that exits while a reorder is running inside oneDNN aborts (SIGABRT); at exit
-    # the interpreter waits for the thread instead (a fraction of a second at most).
-    thread = threading.Thread(target=pack_all, name="warmstart-prepack")
-    thread.start()
-    return thread
