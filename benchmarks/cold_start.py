@@ -108,7 +108,7 @@ def prepare(config: Path, workdir: Path, s3_endpoint: str) -> tuple[Path, str, s
     from runtime.tokenizer import Tokenizer
     from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
     from snapshot.cache import BlobCache
-    from snapshot.store import open_store
+    from snapshot.stores import open_store
     from snapshot.transfer import push_snapshot
 
     model = bench_model_dir(config)

@@ -134,7 +134,7 @@ import json, sys, torch
 from runtime.models.config import ModelConfig
 from runtime.kernels import use_carried_cache
 use_carried_cache()
-from runtime.kernels.warmup import first_call_seconds
+from runtime.models.kernel_warmup import first_call_seconds
 config = ModelConfig.from_dir(sys.argv[1])
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 print(json.dumps(first_call_seconds(config, getattr(torch, sys.argv[2]), device)))

@@ -121,7 +121,7 @@ def main() -> None:
 
     from snapshot.build import BuildOptions, build_snapshot
     from snapshot.cache import BlobCache
-    from snapshot.store import open_store
+    from snapshot.stores import open_store
     from snapshot.transfer import push_snapshot
 
     model = bench_model_dir(args.config)

@@ -130,7 +130,7 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
         import runtime
         from snapshot.errors import NotFound
         from snapshot.format import Manifest, blob_id, file_blob_id
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
 
         store = open_store(args.store)
         try:

@@ -151,7 +151,7 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
     from snapshot.errors import StoreError
     from snapshot.format import FormatError
     from snapshot.refs import resolve_ref
-    from snapshot.store import open_store
+    from snapshot.stores import open_store
 
     try:  # not snapshot_commands.user_errors: that imports the runtime (torch), which rendering has no use for
         store = open_store(store_uri)

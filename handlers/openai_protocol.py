@@ -74,10 +74,8 @@ class ServedModel:
         """What the chat template writes before the first user message's text, behind a placeholder system
         prompt: the same split the snapshot build used to cut system prefixes."""
         if self._system_head is None:
-            from snapshot.build import system_prompt_tokens
-
             assert self.tokenizer is not None
-            self._system_head = system_prompt_tokens(self.tokenizer, SYSTEM_PLACEHOLDER)
+            self._system_head = self.tokenizer.system_prompt_tokens(SYSTEM_PLACEHOLDER)
         return self._system_head
 
     def check_text_length(self, chars: int, param: str) -> None:

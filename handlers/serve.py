@@ -120,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print_json_line({"event": "tensor_parallel", "ranks": [{"rank": r, "pid": p.pid}
                                                                for r, p in enumerate(ranks.followers, start=1)]})
     if ranks.world > 1:
-        watch(ranks, state, rank_lost, lambda: bool(server.should_exit))
+        watch(ranks, state.engine_failure, rank_lost, lambda: bool(server.should_exit))
 
     # uvicorn drains on SIGTERM, then restores this handler and raises the signal again; exiting 0 after a
     # drain (what platforms expect of a clean stop) needs a handler here that does not kill the process.

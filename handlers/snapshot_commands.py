@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.errors import CliError, positive_int
+from handlers.manifest_summary import adapter_summaries, selector_summary
 
 
 def add_commands(sub: Any) -> None:
@@ -116,7 +117,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.adapters import AdapterSpec
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
         from snapshot.transfer import push_snapshot
 
         try:
@@ -153,7 +154,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.refs import resolve_ref
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
         from snapshot.transfer import pull_snapshot
 
         store = open_store(args.store)
@@ -169,7 +170,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.format import Manifest
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
 
         store = open_store(args.store)
         refs = store.list_refs()
@@ -192,7 +193,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.format import Manifest
         from snapshot.refs import resolve_ref
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
 
         store = open_store(args.store)
         sid = resolve_ref(store, args.ref)
@@ -218,16 +219,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "accuracy not measured (too few examples)"
         print(f"  adapter selector ('auto'): {len(s['adapters'])} adapters, {measured}")
     return 0
-
-
-def adapter_summaries(m: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"name": a["name"], "kind": a["kind"], "virtual_tokens": a["num_virtual_tokens"],
-             "wasted_slots": a["wasted_slots"]} for a in m.get("adapters", [])]
-
-
-def selector_summary(m: dict[str, Any]) -> dict[str, Any] | None:
-    s = m.get("adapter_selector")
-    return None if s is None else {"adapters": s["names"], "held_out": s["held_out"], "accuracy": s["accuracy"]}
 
 
 def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -263,7 +254,7 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
 def cmd_tag(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.refs import resolve_ref
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
 
         store = open_store(args.store)
         sid = resolve_ref(store, args.ref)
@@ -275,7 +266,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.gc import gc
-        from snapshot.store import open_store
+        from snapshot.stores import open_store
 
         store = open_store(args.store)
         report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds)

@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 from handlers.coldstart import Timeline
 from handlers.generate import Service
+from handlers.manifest_summary import adapter_summaries, selector_summary
 from handlers.metrics import Metrics
 from handlers.openai_protocol import APIError, Prefix, ServedModel
-from handlers.snapshot_commands import adapter_summaries, selector_summary
+from handlers.tensor_parallel import rank_load
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
     from runtime.engine.tensor_parallel import TensorParallelGroup
+
+# What the server's info reports about the engine, in this order.
+ENGINE_INFO = ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+               "speculative", "num_speculative_tokens")
 
 
 @dataclass
@@ -50,6 +55,12 @@ class ServeState:
     @property
     def healthy(self) -> bool:
         return self.status == "ready" and self.service is not None and self.service.llm.is_alive
+
+    def engine_failure(self) -> str | None:
+        """Why a started engine stopped, or None while it runs (or before it starts)."""
+        if self.service is None or self.service.llm.is_alive:
+            return None
+        return str(self.service.llm.error)
 
     def ready_service(self) -> Service:
         if self.service is not None:
@@ -105,8 +116,6 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, **engine_options)
         rank_loads: list[Any] = []
         if state.group is not None:
-            from handlers.tensor_parallel import rank_load
-
             rank_loads = state.group.gather_objects(rank_load(report, 0))
         for phase in ("manifest", "blobs", "mapped"):
             details: dict[str, Any] = {}
@@ -121,16 +130,17 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         assert report.manifest is not None  # load_with_report always sets it
         manifest = report.manifest.data
         engine = llm.engine
+        summary = engine.summary()
         model = ServedModel(
             name=state.model_name,
             snapshot_id=report.snapshot_id,
             tokenizer=engine.tokenizer,
             vocab_size=engine.config.vocab_size,
-            max_model_len=engine.max_model_len,
-            kv_cache_tokens=engine.blocks.num_blocks * engine.blocks.block_size,
+            max_model_len=summary["max_model_len"],
+            kv_cache_tokens=summary["kv_cache_tokens"],
             prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
             adapters={name: a.num_tokens for name, a in engine.adapters.items()},
-            select_adapter=engine.select_adapter if engine.adapter_selector is not None else None,
+            select_adapter=engine.select_adapter if summary["adapter_selector"] else None,
         )
         info = {
             "snapshot_id": report.snapshot_id,
@@ -139,11 +149,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             "adapter_selector": selector_summary(manifest),
             "pull": {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
                      "blobs_total": report.blobs_total},
-            "engine": {"dtype": engine.options.dtype, "block_size": engine.blocks.block_size,
-                       "num_kv_blocks": engine.blocks.num_blocks, "max_num_seqs": engine.options.max_num_seqs,
-                       "max_num_batched_tokens": engine.options.max_num_batched_tokens,
-                       "max_model_len": engine.max_model_len, "speculative": engine.options.speculative,
-                       "num_speculative_tokens": engine.options.num_speculative_tokens},
+            "engine": {k: summary[k] for k in ENGINE_INFO},
         }
         if state.group is not None:
             info["tensor_parallel"] = {"size": state.group.world, "backend": state.group.backend, "ranks": rank_loads}

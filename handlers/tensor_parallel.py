@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from handlers.errors import CliError
 
 if TYPE_CHECKING:
-    from handlers.state import ServeState
     from snapshot.loader import LoadReport
 
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
@@ -113,8 +112,10 @@ def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
     return 0
 
 
-def watch(plan: RankPlan, state: ServeState, stop: Callable[[str], None], stopping: Callable[[], bool]) -> None:
-    """Rank 0: call ``stop`` with the reason once a follower process exits or the engine (a collective) fails."""
+def watch(plan: RankPlan, engine_failure: Callable[[], str | None], stop: Callable[[str], None],
+          stopping: Callable[[], bool]) -> None:
+    """Rank 0: call ``stop`` with the reason once a follower process exits or the engine (a collective) fails
+    (``engine_failure`` says why, or None while it runs)."""
 
     def loop() -> None:
         while not stopping():
@@ -123,9 +124,9 @@ def watch(plan: RankPlan, state: ServeState, stop: Callable[[str], None], stoppi
                     stop(f"tensor-parallel rank {r} exited with code {proc.returncode}; the server cannot go on "
                          "without it")
                     return
-            service = state.service
-            if service is not None and not service.llm.is_alive:
-                stop(f"the engine stopped: {service.llm.error}")
+            failure = engine_failure()
+            if failure is not None:
+                stop(f"the engine stopped: {failure}")
                 return
             time.sleep(WATCH_INTERVAL_S)
 

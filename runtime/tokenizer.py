@@ -71,6 +71,23 @@ class Tokenizer:
         # The template already writes the special tokens it wants (as HF's apply_chat_template assumes).
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def system_prompt_tokens(self, text: str) -> list[int]:
+        """The tokens every chat request whose system message is ``text`` starts with.
+
+        Rendered with two unlike user turns, the common start covers the system turn and the user turn's
+        header, which is exactly what the template writes before any user text.
+        """
+        renders = [
+            self.encode_chat([{"role": "system", "content": text}, {"role": "user", "content": user}])
+            for user in ("Hello!", "7 + 5 = ?")
+        ]
+        common = 0
+        for a, b in zip(*renders, strict=False):
+            if a != b:
+                break
+            common += 1
+        return renders[0][:common]
+
 
 _templates: dict[str, jinja2.Template] = {}
 

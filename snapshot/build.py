@@ -8,10 +8,8 @@ the same snapshot id.
 
 from __future__ import annotations
 
-import re
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +17,13 @@ import torch
 
 import runtime
 from runtime.engine.adapters import alignment_advice, wasted_slots
-from runtime.engine.engine import EngineOptions, LLMEngine
-from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_kv, shard_weights
+from runtime.engine.engine import LLMEngine
+from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_weights
 from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
-from runtime.models.model import Model
 from runtime.models.quantize import quantize_model
 from runtime.models.weights import DTYPES, ModelWeights, checkpoint_files, convert_weights, read_checkpoint
-from runtime.quant.quantize import SCHEMES
 from runtime.tokenizer import Tokenizer
 from snapshot.adapters import (
-    AdapterSpec,
     PromptAdapter,
     build_selector,
     compile_prompt_adapter,
@@ -36,76 +31,21 @@ from snapshot.adapters import (
     read_examples,
     read_prompt_adapter,
 )
+from snapshot.build_parts import (
+    BlobWriter,
+    BuildOptions,
+    PrefixSpec,
+    kv_blobs,
+    pack_weights,
+    prefix_engine,
+    prefix_entry,
+    tensor_bytes,
+)
 from snapshot.cache import BlobCache
 from snapshot.errors import BuildError
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint, write_packed
+from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-PREFIX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-@dataclass(frozen=True)
-class PrefixSpec:
-    name: str
-    path: Path
-    kind: str  # "text": tokenized as is; "system": a chat system prompt, rendered through the chat template
-
-    @classmethod
-    def parse(cls, text: str, kind: str) -> PrefixSpec:
-        name, sep, path = text.partition("=")
-        flag = "--prefix" if kind == "text" else "--system"
-        if not sep or not PREFIX_NAME.match(name) or not path:
-            raise BuildError(f"{flag} {text!r}: expected NAME=FILE with NAME made of letters, digits, '_', '.', '-'")
-        return cls(name, Path(path), kind)
-
-
-@dataclass
-class BuildOptions:
-    quant: str = "none"
-    group_size: int | None = None  # None: the largest that fits every layer (runtime.quant.formats decides)
-    dtype: str = "bfloat16"
-    block_size: int = 16
-    prefixes: list[PrefixSpec] = field(default_factory=list)
-    adapters: list[AdapterSpec] = field(default_factory=list)  # PEFT prompt-learning adapters
-    adapter_examples: list[AdapterSpec] = field(default_factory=list)  # example queries per adapter, for "auto"
-    lora: Path | None = None  # a LoRA adapter merged into the weights
-    draft: Path | None = None  # a draft model's HF directory, for speculative decoding (snapshot.draft)
-    draft_quant: str = "none"
-    draft_group_size: int | None = None
-    tensor_parallel: int = 1  # ranks the weights and KV are sharded for (runtime/engine/tensor_parallel.py)
-
-    def validate(self) -> None:
-        if self.quant not in SCHEMES:
-            raise BuildError(f"--quant must be one of {', '.join(SCHEMES)}, got {self.quant!r}")
-        if self.draft_quant not in SCHEMES:
-            raise BuildError(f"--draft-quant must be one of {', '.join(SCHEMES)}, got {self.draft_quant!r}")
-        if self.dtype not in DTYPES:
-            raise BuildError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1:
-            raise BuildError(f"--block-size must be >= 1, got {self.block_size}")
-        if self.tensor_parallel < 1:
-            raise BuildError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and self.draft is not None:
-            raise BuildError("--draft does not combine with --tensor-parallel yet; build without one of them")
-        if self.tensor_parallel > 1 and self.quant not in ("none", "int8"):
-            raise BuildError(f"--tensor-parallel {self.tensor_parallel} shards plain or int8 weights; --quant "
-                             f"{self.quant}'s groups span the split (use --quant int8 or none)")
-        names = [p.name for p in self.prefixes]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise BuildError(f"prefix name(s) given twice: {', '.join(dupes)}")
-        adapters = [a.name for a in self.adapters]
-        for flag, given in (("--adapter", adapters), ("--adapter-examples", [e.name for e in self.adapter_examples])):
-            dupes = sorted({n for n in given if given.count(n) > 1})
-            if dupes:
-                raise BuildError(f"{flag}: name(s) given twice: {', '.join(dupes)}")
-        unknown = sorted({e.name for e in self.adapter_examples} - set(adapters))
-        if unknown:
-            raise BuildError(f"--adapter-examples for {', '.join(unknown)}, which no --adapter names")
-        if self.adapter_examples and len(self.adapter_examples) != len(self.adapters):
-            missing = sorted(set(adapters) - {e.name for e in self.adapter_examples})
-            raise BuildError(f"--adapter-examples: the 'auto' selector needs examples for every adapter; "
-                             f"missing for {', '.join(missing)}")
 
 
 @dataclass
@@ -146,14 +86,14 @@ def build_snapshot(
             weights = quantize_model(weights, options.quant, options.group_size)
         except ValueError as e:
             raise BuildError(f"--quant {options.quant}: {e}") from None
-    blobs = _BlobWriter(cache)
+    blobs = BlobWriter(cache)
     if world == 1:
-        tensors = _pack_weights(weights, blobs)
+        tensors = pack_weights(weights, blobs)
         rank_tensors, rank_quantized = [tensors], [weights.quant_meta()]
     else:
         log(f"sharding weights for {world} tensor-parallel ranks")
         shards = [shard_weights(weights, config, r, world) for r in range(world)]
-        rank_tensors = [_pack_weights(shard, blobs) for shard in shards]
+        rank_tensors = [pack_weights(shard, blobs) for shard in shards]
         rank_quantized = [shard.quant_meta() for shard in shards]
         tensors = {}
     rank_weight_blobs = [sorted({t["blob"] for t in ts.values()}) for ts in rank_tensors]
@@ -169,11 +109,11 @@ def build_snapshot(
     prompt_adapters = [read_prompt_adapter(a, config) for a in options.adapters]
     prefixes, adapters = [], []
     if token_lists or prompt_adapters:
-        engine = _engine(config, weights, options, max([len(t) for t in token_lists] +
+        engine = prefix_engine(config, weights, options, max([len(t) for t in token_lists] +
                                                        [a.num_tokens for a in prompt_adapters]))
         for spec, token_ids in zip(options.prefixes, token_lists, strict=True):
             log(f"computing prefix KV for {spec.name!r} ({len(token_ids)} tokens)")
-            prefixes.append(_prefix_entry(spec, token_ids, engine, blobs, world))
+            prefixes.append(prefix_entry(spec, token_ids, engine, blobs, world))
         for adapter in prompt_adapters:
             adapters.append(_adapter_entry(adapter, engine, blobs, log, world))
     selector = _selector_entry(options, tokenizer, weights, blobs, log) if options.adapter_examples else None
@@ -230,75 +170,6 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
         raise BuildError(str(e)) from None
 
 
-class _BlobWriter:
-    """Writes blobs into the cache's staging area and moves them in under their content hash."""
-
-    def __init__(self, cache: BlobCache) -> None:
-        self.cache = cache
-        self.paths: dict[str, Path] = {}
-        self.sizes: dict[str, int] = {}
-
-    def add_packed(self, parts: list[Any]) -> tuple[str, list[tuple[int, int]]]:
-        with tempfile.TemporaryDirectory(dir=self.cache.root) as tmp:
-            path = Path(tmp) / "blob"
-            spans = write_packed(path, parts)
-            return self._adopt(path, file_blob_id(path), move=True), spans
-
-    def add_file(self, path: Path) -> str:
-        return self._adopt(path, file_blob_id(path), move=False)
-
-    def _adopt(self, path: Path, bid: str, move: bool) -> str:
-        if not self.cache.has(bid):
-            self.cache.add_file(bid, path, move=move)
-        self.paths[bid] = self.cache.path(bid)
-        self.sizes[bid] = self.cache.path(bid).stat().st_size
-        return bid
-
-
-def tensor_bytes(t: torch.Tensor) -> Any:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _pack_weights(weights: ModelWeights, blobs: _BlobWriter) -> dict[str, dict[str, Any]]:
-    """One blob per decoder layer and one for the rest; returns each tensor's place and type."""
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in weights.tensors().items():
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "head"
-        groups.setdefault(key, {})[name] = t
-    entries = {}
-    for group in groups.values():
-        names = list(group)
-        bid, spans = blobs.add_packed([tensor_bytes(group[n]) for n in names])
-        for name, (offset, nbytes) in zip(names, spans, strict=True):
-            t = group[name]
-            entries[name] = {
-                "blob": bid,
-                "offset": offset,
-                "nbytes": nbytes,
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-            }
-    return dict(sorted(entries.items()))
-
-
-def system_prompt_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
-    """The tokens every chat request whose system message is ``text`` starts with.
-
-    Rendered with two unlike user turns, the common start covers the system turn and the user turn's
-    header, which is exactly what the template writes before any user text.
-    """
-    renders = [
-        tokenizer.encode_chat([{"role": "system", "content": text}, {"role": "user", "content": user}])
-        for user in ("Hello!", "7 + 5 = ?")
-    ]
-    common = 0
-    for a, b in zip(*renders, strict=False):
-        if a != b:
-            break
-        common += 1
-    return renders[0][:common]
-
-
 def _prefix_tokens(spec: PrefixSpec, tokenizer: Tokenizer | None) -> list[int]:
     flag = "--prefix" if spec.kind == "text" else "--system"
     try:
@@ -314,53 +185,14 @@ def _prefix_tokens(spec: PrefixSpec, tokenizer: Tokenizer | None) -> list[int]:
     elif tokenizer.chat_template is None:
         raise BuildError(f"--system {spec.name}: the model has no chat template; use --prefix for raw text")
     else:
-        tokens = system_prompt_tokens(tokenizer, text)
+        tokens = tokenizer.system_prompt_tokens(text)
     if not tokens:
         raise BuildError(f"{flag} {spec.name}: {spec.path} gives no tokens")
     return tokens
 
 
-def _engine(config: ModelConfig, weights: ModelWeights, options: BuildOptions, longest: int) -> LLMEngine:
-    max_len = min(config.max_position_embeddings, longest + 1)
-    if longest >= config.max_position_embeddings:
-        raise BuildError(f"a prefix or adapter of {longest} tokens does not fit the model's context of "
-                         f"{config.max_position_embeddings}")
-    blocks = 2 * (-(-max_len // options.block_size)) + 2
-    engine_options = EngineOptions(dtype=options.dtype, block_size=options.block_size, num_kv_blocks=blocks,
-                                   max_num_seqs=1, max_model_len=max_len)
-    return LLMEngine(Model(config, weights, max_len), None, engine_options)
-
-
-def _kv_blobs(kv: torch.Tensor, blobs: _BlobWriter, world: int) -> dict[str, Any]:
-    """KV in the pool layout as blob(s): one, or each tensor-parallel rank's KV heads in its own."""
-    if world == 1:
-        return {"blob": blobs.add_packed([tensor_bytes(kv)])[0], "shape": list(kv.shape)}
-    shards = [shard_kv(kv, r, world) for r in range(world)]
-    return {"blob": None, "rank_blobs": [blobs.add_packed([tensor_bytes(t)])[0] for t in shards],
-            "shape": list(shards[0].shape)}
-
-
-def _prefix_entry(spec: PrefixSpec, token_ids: list[int], engine: LLMEngine, blobs: _BlobWriter,
-                  world: int) -> dict[str, Any]:
-    hashes, kv = engine.prefix_kv(token_ids)
-    entry: dict[str, Any] = {
-        "name": spec.name,
-        "kind": spec.kind,
-        "token_ids": token_ids,
-        "block_hashes": hashes,
-        "blob": None,
-        "dtype": str(kv.dtype).removeprefix("torch."),
-        "shape": list(kv.shape),
-    }
-    if hashes:
-        entry.update(_kv_blobs(kv, blobs, world))
-    elif world > 1:
-        entry["rank_blobs"] = [None] * world
-    return entry
-
-
 def _adapter_entry(
-    adapter: PromptAdapter, engine: LLMEngine, blobs: _BlobWriter, log: Callable[[str], None], world: int
+    adapter: PromptAdapter, engine: LLMEngine, blobs: BlobWriter, log: Callable[[str], None], world: int
 ) -> dict[str, Any]:
     kv = compile_prompt_adapter(adapter, engine)
     bs = engine.blocks.block_size
@@ -371,11 +203,11 @@ def _adapter_entry(
     entry = {"name": adapter.name, "kind": adapter.kind, "num_virtual_tokens": adapter.num_tokens,
              "wasted_slots": waste, "base_model": adapter.base_model, "blob": None,
              "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}
-    entry.update(_kv_blobs(kv, blobs, world))
+    entry.update(kv_blobs(kv, blobs, world))
     return entry
 
 
-def _selector_entry(options: BuildOptions, tokenizer: Tokenizer | None, weights: ModelWeights, blobs: _BlobWriter,
+def _selector_entry(options: BuildOptions, tokenizer: Tokenizer | None, weights: ModelWeights, blobs: BlobWriter,
                     log: Callable[[str], None]) -> dict[str, Any]:
     if tokenizer is None:
         raise BuildError("--adapter-examples: the model directory has no tokenizer.json to read the examples with")

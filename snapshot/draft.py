@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import runtime
 from runtime.engine.engine import LLMEngine
 from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
 from runtime.models.quantize import quantize_model
 from runtime.models.weights import DTYPES, ModelWeights, load_weights
+from snapshot.build_parts import BlobWriter, BuildOptions, PrefixSpec, pack_weights, prefix_engine, prefix_entry
+from snapshot.errors import BuildError
 from snapshot.format import file_blob_id, kv_fingerprint
-
-if TYPE_CHECKING:
-    from snapshot.build import BuildOptions, _BlobWriter
 
 
 def build_draft(
@@ -29,12 +28,10 @@ def build_draft(
     target: ModelConfig,
     options: BuildOptions,
     prefixes: list[dict[str, Any]],
-    blobs: _BlobWriter,
+    blobs: BlobWriter,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The manifest's ``draft`` section; refuses a draft whose vocabulary or tokenizer is not the target's."""
-    from snapshot.build import BuildError, PrefixSpec, _engine, _pack_weights, _prefix_entry
-
     if not draft_dir.is_dir():
         raise BuildError(f"--draft {draft_dir} is not a directory; give the draft model's HF directory")
     try:
@@ -56,16 +53,16 @@ def build_draft(
             weights = quantize_model(weights, options.draft_quant, options.draft_group_size)
         except ValueError as e:
             raise BuildError(f"--draft-quant {options.draft_quant}: {e}") from None
-    tensors = _pack_weights(weights, blobs)
+    tensors = pack_weights(weights, blobs)
     group_sizes = {m.get("group_size") for m in weights.quant_meta().values()} - {None}
     quantization = {"scheme": options.draft_quant, "group_size": group_sizes.pop() if len(group_sizes) == 1 else None}
     weight_blobs = sorted({t["blob"] for t in tensors.values()})
     prefix_kv = []
     if prefixes:
-        engine: LLMEngine = _engine(config, weights, options, max(len(p["token_ids"]) for p in prefixes))
+        engine: LLMEngine = prefix_engine(config, weights, options, max(len(p["token_ids"]) for p in prefixes))
         for p in prefixes:
             log(f"computing draft prefix KV for {p['name']!r}")
-            entry = _prefix_entry(PrefixSpec(p["name"], Path(), p["kind"]), p["token_ids"], engine, blobs, 1)
+            entry = prefix_entry(PrefixSpec(p["name"], Path(), p["kind"]), p["token_ids"], engine, blobs, 1)
             if entry["block_hashes"] != p["block_hashes"]:
                 raise BuildError("the draft's prefix blocks do not line up with the model's (report this as a bug)")
             prefix_kv.append({k: entry[k] for k in ("blob", "dtype", "shape")})

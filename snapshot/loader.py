@@ -27,7 +27,8 @@ from runtime.tokenizer import Tokenizer
 from snapshot.cache import BlobCache
 from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
 from snapshot.refs import resolve_ref
-from snapshot.store import Store, open_store
+from snapshot.store import Store
+from snapshot.stores import open_store
 from snapshot.transfer import pull_snapshot
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ def engine_from_manifest(
     selector = m.get("adapter_selector")
     if selector is not None:
         centroids = tensor_view(mapped[selector["blob"]], selector)
-        engine.adapter_selector = AdapterSelector(list(selector["names"]), centroids)
+        engine.set_adapter_selector(AdapterSelector(list(selector["names"]), centroids))
     return engine
 
 

@@ -21,7 +21,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
-from urllib.parse import urlparse
 
 from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError
 from snapshot.files import CHUNK, OnBytes, copy_into, os_errors, user_cache_dir, write_all, write_atomic
@@ -34,25 +33,6 @@ MANIFEST_SUFFIX = ".msgpack"
 
 def default_store_dir() -> Path:
     return Path(os.environ.get("WARMSTART_STORE") or user_cache_dir() / "store").expanduser()
-
-
-def open_store(uri: str | None = None) -> Store:
-    """The store at ``uri``: a directory, file://PATH or s3://BUCKET/PREFIX; None means the default local store
-    ($WARMSTART_STORE or ~/.cache/warmstart/store). $WARMSTART_STORE may itself be an s3:// URI."""
-    if uri is None:
-        uri = os.environ.get("WARMSTART_STORE") or str(default_store_dir())
-    if not uri.strip():
-        raise StoreError("the store URI is empty; give a directory, file://PATH or s3://BUCKET/PREFIX")
-    scheme = urlparse(uri).scheme
-    if scheme == "s3":
-        from snapshot.s3 import S3Store  # s3 subclasses Store, so it cannot be imported before this module
-
-        return S3Store(uri)
-    if scheme == "file":
-        return LocalStore(_file_uri_path(uri))
-    if scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
-        raise StoreError(f"unsupported store URI scheme {scheme!r}; give a directory, file://PATH or s3://BUCKET/PREFIX")
-    return LocalStore(uri)
 
 
 def check_ref_name(name: str) -> None:
@@ -241,15 +221,6 @@ def is_ref_name(name: str) -> bool:
     except StoreError:
         return False
     return True
-
-
-def _file_uri_path(uri: str) -> str:
-    parsed = urlparse(uri)
-    if parsed.netloc not in ("", "localhost"):
-        raise StoreError(f"file URI {uri!r} names host {parsed.netloc!r}; write file:///ABSOLUTE/PATH or a plain path")
-    if not parsed.path:
-        raise StoreError(f"file URI {uri!r} has no path; write file:///ABSOLUTE/PATH or a plain path")
-    return parsed.path
 
 
 class LocalStore(Store):

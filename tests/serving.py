@@ -19,7 +19,7 @@ from handlers.coldstart import Timeline
 from handlers.state import Limits, ServeState, load_snapshot
 from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
-from snapshot.store import open_store
+from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 
 REF = "tiny"

@@ -20,7 +20,7 @@ from snapshot.adapters import AdapterSpec
 from snapshot.build import BuildError, BuildOptions, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.loader import load_with_report
-from snapshot.store import open_store
+from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 from tests.model_configs import FAMILIES
 from tests.peft_reference import _hf, assert_matches_peft, make_adapter

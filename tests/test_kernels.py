@@ -76,8 +76,8 @@ def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
 
 
 def test_first_call_timings_cover_every_kernel() -> None:
-    from runtime.kernels.warmup import first_call_seconds
     from runtime.models.config import ModelConfig
+    from runtime.models.kernel_warmup import first_call_seconds
     from tests.model_configs import FAMILIES
 
     config = ModelConfig.from_dict(FAMILIES["qwen3"])

@@ -567,7 +567,7 @@ def test_end_to_end_against_a_moto_server(moto_endpoint: str, tmp_path: Path,
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     s3 = boto3.client("s3")
     s3.create_bucket(Bucket="e2e")
-    from snapshot.store import open_store
+    from snapshot.stores import open_store
 
     store = open_store("s3://e2e/team/models")
     assert isinstance(store, S3Store) and store.endpoint == moto_endpoint

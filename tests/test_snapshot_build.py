@@ -14,7 +14,7 @@ from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.format import Manifest
 from snapshot.loader import SnapshotError, load_with_report
-from snapshot.store import open_store
+from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 from tests.model_configs import FAMILIES
 from tests.reference import assert_matches_reference

@@ -24,7 +24,7 @@ from runtime.random_model import make_random_model, perturb_model
 from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.loader import SnapshotError, load
-from snapshot.store import open_store
+from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 from tests.model_configs import FAMILIES
 from tests.serving import DOC_TEXT, SYSTEM_TEXT

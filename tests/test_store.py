@@ -36,7 +36,8 @@ from snapshot.errors import (
 )
 from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
 from snapshot.s3 import S3Store
-from snapshot.store import LocalStore, Store, open_store
+from snapshot.store import LocalStore, Store
+from snapshot.stores import open_store
 
 ACCESS_KEY = "AKIAFAKEKEYFORTEST01"
 SECRET_KEY = "fake/secret+Key0123456789-never-print"

@@ -26,7 +26,7 @@ from snapshot.adapters import AdapterSpec
 from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.loader import SnapshotError, load_with_report
-from snapshot.store import open_store
+from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 from tests.model_configs import FAMILIES
 

@@ -18,7 +18,7 @@ from runtime.engine.engine import EngineOptions, LLMEngine
 from runtime.sampling_params import SamplingParams
 from snapshot.build import BuildOptions, build_snapshot
 from snapshot.cache import BlobCache
-from snapshot.store import open_store
+from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 from tests.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot
 

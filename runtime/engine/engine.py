@@ -6,19 +6,21 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from runtime.engine.adapters import AdapterSelector, VirtualPrefix, virtual_token_ids
 from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
-from runtime.engine.model_runner import ModelRunner
+from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.models.config import ModelConfig
-from runtime.models.model import Model
+from runtime.models.model import Collective, Model
 from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.quant.packed_linear import can_prepack
@@ -48,6 +50,10 @@ class EngineOptions:
     # the same at full acceptance (benchmarks/speculative.py --adaptive, docs/BENCHMARKS.md).
     adaptive_speculation: bool = True
 
+    def context_length(self, config: ModelConfig) -> int:
+        """The longest sequence the engine serves: max_model_len, capped by the model's positions."""
+        return min(self.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -64,8 +70,11 @@ class EngineOptions:
 
 class LLMEngine:
     def __init__(
-        self, model: Model, tokenizer: Tokenizer | None, options: EngineOptions, draft: Model | None = None
+        self, model: Model, tokenizer: Tokenizer | None, options: EngineOptions, draft: Model | None = None,
+        before_step: Callable[[StepInputs], None] | None = None,
     ) -> None:
+        """``before_step``: called with each step's inputs before it runs (rank 0 of a tensor-parallel group
+        sends them to the other ranks)."""
         options.validate()
         c = model.config
         self.draft = draft
@@ -74,10 +83,10 @@ class LLMEngine:
         self.config = c
         self.options = options
         self.tokenizer = tokenizer
-        self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        self.max_model_len = options.context_length(c)
         num_blocks = options.num_kv_blocks or self._blocks_from_memory()
         self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed)
+        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step)
         self.proposer: Proposer | None = None
         if options.speculative == "ngram":
             self.proposer = NgramProposer()
@@ -125,15 +134,22 @@ class LLMEngine:
         tokenizer: Tokenizer | None,
         options: EngineOptions,
         draft: tuple[ModelConfig, ModelWeights] | None = None,
+        *,
+        reduce: Collective | None = None,
+        gather_logits: Collective | None = None,
+        before_step: Callable[[StepInputs], None] | None = None,
     ) -> LLMEngine:
-        """From weights already in the engine's layout (a snapshot's mapped tensors), and a draft model's."""
+        """From weights already in the engine's layout (a snapshot's mapped tensors), and a draft model's.
+        ``reduce``, ``gather_logits`` and ``before_step`` join a tensor-parallel group (see runtime.models.model
+        and runtime/engine/tensor_parallel.py)."""
         options.validate()
-        max_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        max_len = options.context_length(config)
         draft_model = None
         if draft is not None:
             check_draft_compatible(config, draft[0])
             draft_model = Model(draft[0], draft[1], max_len)
-        engine = cls(Model(config, weights, max_len), tokenizer, options, draft_model)
+        model = Model(config, weights, max_len, reduce, gather_logits)
+        engine = cls(model, tokenizer, options, draft_model, before_step)
         if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
             engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
@@ -203,6 +219,10 @@ class LLMEngine:
             raise ValueError(f"unknown adapter {str(name)[:100]!r}; this engine's adapters: {known}")
         return self.adapters[name]
 
+    def set_adapter_selector(self, selector: AdapterSelector) -> None:
+        """Let requests name adapter "auto": the selector picks one of the loaded adapters for their tokens."""
+        self.adapter_selector = selector
+
     def select_adapter(self, token_ids: list[int]) -> str:
         """The selector's adapter for a query's tokens (see runtime.adapters.AdapterSelector)."""
         if self.adapter_selector is None:
@@ -269,6 +289,11 @@ class LLMEngine:
         self.runner.fill_blocks(blocks, kv)
         if draft_kv is not None and isinstance(self.proposer, DraftProposer):
             self.proposer.loaded(blocks, hashes, draft_kv)
+        self._register_chain(blocks, hashes, token_ids)
+
+    def _register_chain(self, blocks: list[int], hashes: list[int], token_ids: list[int]) -> None:
+        """Make pinned, filled blocks findable by the prefix cache under their chained hashes."""
+        bs = self.blocks.block_size
         parent = NO_PARENT
         for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
@@ -297,10 +322,8 @@ class LLMEngine:
         token_ids = virtual_token_ids(name, num_tokens)
         blocks = self.blocks.take_free(num_blocks)
         self.runner.fill_blocks(blocks, kv)
-        parent = NO_PARENT
-        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes(token_ids, bs), strict=False)):
-            self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
-            parent = block_hash
+        hashes = block_hashes(token_ids, bs)  # full blocks only: a partial tail block is copied, never shared
+        self._register_chain(blocks[: len(hashes)], hashes, token_ids)
         tail = blocks[-1] if num_tokens % bs else None
         self.adapters[name] = VirtualPrefix(name, kind, token_ids, tail)
         return self.adapters[name]
@@ -425,6 +448,16 @@ class LLMEngine:
             timestamps=seq.timestamps,
             adapter=seq.adapter,
         )
+
+    def summary(self) -> dict[str, Any]:
+        """What this engine was started with and holds, for readers (the server's info and /v1/models)."""
+        o = self.options
+        return {"dtype": o.dtype, "block_size": self.blocks.block_size, "num_kv_blocks": self.blocks.num_blocks,
+                "kv_cache_tokens": self.blocks.num_blocks * self.blocks.block_size,
+                "max_num_seqs": o.max_num_seqs, "max_num_batched_tokens": o.max_num_batched_tokens,
+                "max_model_len": self.max_model_len, "speculative": o.speculative,
+                "num_speculative_tokens": o.num_speculative_tokens, "adapters": sorted(self.adapters),
+                "adapter_selector": self.adapter_selector is not None}
 
     def stats(self) -> EngineStats:
         return EngineStats(

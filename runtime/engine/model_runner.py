@@ -51,7 +51,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, num_blocks: int, block_size: int, seed: int | None = None) -> None:
+    def __init__(
+        self, model: Model, num_blocks: int, block_size: int, seed: int | None = None,
+        before_step: Callable[[StepInputs], None] | None = None,
+    ) -> None:  # fmt: skip
         c = model.config
         self.model = model
         self.block_size = block_size
@@ -67,7 +70,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.window = c.uniform_window
         # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
-        self.before_step: Callable[[StepInputs], None] | None = None
+        self.before_step = before_step
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and model.ops.name == "triton" and os.environ.get(GRAPHS_ENV) != "0":
             self.capture_decode_graphs()

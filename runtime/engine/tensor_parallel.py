@@ -35,7 +35,6 @@ from runtime.engine.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.models.config import ModelConfig
-from runtime.models.model import Model
 from runtime.models.weights import LayerWeights, ModelWeights
 from runtime.quant.formats import Int8Weight
 from runtime.tokenizer import Tokenizer
@@ -46,6 +45,9 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT = timedelta(days=365)
 _STOP, _STEP = 0, 1
+
+
+SHARDABLE_SCHEMES = ("none", "int8")
 
 
 class TensorParallelError(ValueError):
@@ -67,6 +69,17 @@ def check_divisible(config: ModelConfig, world: int) -> None:
                 f"{config.architecture} has {what}={n}, which does not divide among {world} ranks "
                 f"(each rank must hold whole heads); use --tensor-parallel {' or '.join(map(str, options))}"
             )
+
+
+def check_shardable(scheme: str, world: int) -> None:
+    """Only plain and int8 weights split among ranks: int4's and nf4's groups run along the split columns."""
+    if world > 1 and scheme not in SHARDABLE_SCHEMES:
+        raise unshardable(scheme)
+
+
+def unshardable(scheme: str) -> TensorParallelError:
+    return TensorParallelError(f"--quant {scheme}'s groups span the split among tensor-parallel ranks; build "
+                               "with --quant int8 or none")
 
 
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:
@@ -125,8 +138,7 @@ def _columns(w: LinearWeight, start: int, n: int) -> Any:
 
 
 def _unsplittable(w: object) -> TensorParallelError:
-    return TensorParallelError(f"{type(w).__name__} weights cannot be split among tensor-parallel ranks (their "
-                               "groups span the split); build with --quant int8 or none")
+    return unshardable(getattr(w, "scheme", type(w).__name__))
 
 
 def shard_kv(kv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -192,13 +204,10 @@ class TensorParallelGroup:
         self.stats.gather_seconds += time.perf_counter() - start
         return torch.cat(parts, dim=-1) if parts is not None else partial
 
-    def attach(self, model: Model, split_head: bool) -> None:
-        """Hook this rank's model into the group; ``split_head``: its lm_head is this rank's vocabulary slice."""
-        model.reduce = self.all_reduce
-        self._reduces_per_step = 2 * len(model.weights.layers)
+    def attach(self, num_layers: int, split_head: bool) -> None:
+        """Count this rank's model in: ``split_head``: its lm_head is this rank's vocabulary slice."""
+        self._reduces_per_step = 2 * num_layers
         self.split_head = split_head
-        if split_head:
-            model.gather_logits = self.gather_logits
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (e.g. KV blocks each rank's memory allows)."""
@@ -250,18 +259,19 @@ def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer |
     options.validate()
     local = shard_config(config, group.world)
     if options.num_kv_blocks is None:
-        max_len = min(options.max_model_len or local.max_position_embeddings, local.max_position_embeddings)
+        max_len = options.context_length(local)
         options = replace(options, num_kv_blocks=group.min_int(kv_blocks_for_memory(local, options, max_len)))
     split_head = split_head and config.vocab_size % group.world == 0 and isinstance(shard.lm_head, torch.Tensor)
     if split_head:
         rows = config.vocab_size // group.world
         assert isinstance(shard.lm_head, torch.Tensor)
         shard = replace(shard, lm_head=shard.lm_head[group.rank * rows : (group.rank + 1) * rows])  # a view
-    engine = LLMEngine.from_weights(local, shard, tokenizer, options)
-    group.attach(engine.runner.model, split_head)
-    if group.is_leader:
-        engine.runner.before_step = group.send_step
-    return engine
+    group.attach(len(shard.layers), split_head)
+    return LLMEngine.from_weights(
+        local, shard, tokenizer, options, reduce=group.all_reduce,
+        gather_logits=group.gather_logits if split_head else None,
+        before_step=group.send_step if group.is_leader else None,
+    )  # fmt: skip
 
 
 def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:

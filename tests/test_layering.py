@@ -1,0 +1,115 @@
+"""The packages' import graph stays layered: no import circle anywhere (imports inside functions and under
+TYPE_CHECKING count too), nothing imports upward between packages (handlers -> snapshot -> runtime), and
+inside runtime/ the folders keep their order (engine -> models -> layers -> quant; kernels beside layers)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("runtime", "snapshot", "handlers")
+# A package may import those after it, never those before it.
+PACKAGE_ORDER = ("handlers", "snapshot", "runtime")
+# runtime/'s folders by height; a module may import its own folder and lower ones only.
+RUNTIME_HEIGHT = {
+    "runtime.engine": 3, "runtime.models": 2, "runtime.layers": 1, "runtime.kernels": 1, "runtime.quant": 0
+}
+
+
+def module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports (a package's __init__ is not an edge: importing
+    a name through it is how a subpackage is reached)."""
+    files = {module_of(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[mod].update(n for n in names if n in files and n != mod and files[n].name != "__init__.py")
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, targets in graph.items():
+        for target in targets:
+            mine, theirs = mod.split(".")[0], target.split(".")[0]
+            if PACKAGE_ORDER.index(theirs) < PACKAGE_ORDER.index(mine) or height(target) > height(mod) >= 0:
+                bad.append(f"{mod} -> {target}")
+    return sorted(bad)
+
+
+def height(module: str) -> int:
+    """The module's runtime folder's height, -1 outside those folders (no order is checked there)."""
+    return RUNTIME_HEIGHT.get(".".join(module.split(".")[:2]), -1)
+
+
+def test_no_import_circles() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_nothing_imports_upward() -> None:
+    assert upward_imports(import_graph()) == []
+
+
+@pytest.mark.parametrize(
+    ("edges", "expected"),
+    [({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]), ({"a": {"b"}, "b": set()}, [])],
+)
+def test_the_circle_search_finds_circles(edges: dict[str, set[str]], expected: list[list[str]]) -> None:
+    assert circles(edges) == expected
+
+
+def test_the_upward_check_finds_upward_imports() -> None:
+    graph = {"runtime.engine.engine": {"snapshot.store", "runtime.models.model"}, "runtime.layers.ops":
+             {"runtime.engine.sequence"}, "snapshot.store": set(), "runtime.models.model": set(),
+             "runtime.engine.sequence": set()}  # fmt: skip
+    assert upward_imports(graph) == [
+        "runtime.engine.engine -> snapshot.store", "runtime.layers.ops -> runtime.engine.sequence"
+    ]
