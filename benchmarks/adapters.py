@@ -13,7 +13,7 @@ requests as one batch). Prefix caching is off, so every round computes its promp
 no prefix (a fresh prompt each time).
 
 peft caveat: with transformers 5, `PeftModel.generate` applies a prompt-tuning adapter to the prompt but not
-to later tokens, and ignores prefix tuning altogether (see tests/peft_reference.py), so its (d) does less
+to later tokens, and ignores prefix tuning altogether (see tests/support/peft_reference.py), so its (d) does less
 work than serving the adapters correctly would: the ratio against it is a lower bound.
 """
 

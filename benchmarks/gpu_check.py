@@ -98,15 +98,16 @@ def kernels_tests(dry: bool) -> dict:
     if dry:
         return {"skipped": "the dry run leaves the kernels tests to the normal test command"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "kernels", "-p", "no:cacheprovider",
-           "tests/test_kernels.py", "tests/test_kernels_attention.py", "tests/test_kernels_quant.py"]  # fmt: skip
+           "tests/runtime/test_kernels.py", "tests/runtime/test_kernels_attention.py",
+           "tests/runtime/test_kernels_quant.py"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = done.stdout.strip().splitlines()[-15:]
     return {"passed": done.returncode == 0, "summary": tail[-1] if tail else "", "tail": tail}
 
 
 def engine_vs_transformers(dry: bool, device: torch.device) -> dict:
-    from tests.model_configs import FAMILIES
-    from tests.reference import assert_matches_reference
+    from tests.support.model_configs import FAMILIES
+    from tests.support.reference import assert_matches_reference
 
     families = ["llama3"] if dry else sorted(FAMILIES)
     max_tokens = 3 if dry else 8
@@ -247,7 +248,7 @@ def _sync(device: torch.device) -> None:
 def make_bench_models(dry: bool, dirs: dict[str, Path]) -> dict[str, str]:
     """Random-weight models of the benchmark shapes (tiny families in the dry run) into ``dirs``, by name."""
     if dry:
-        from tests.model_configs import FAMILIES
+        from tests.support.model_configs import FAMILIES
 
         out = Path(tempfile.mkdtemp(prefix="gpu-check-"))
         for family in ("qwen3", "llama"):

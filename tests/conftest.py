@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from runtime.random_model import make_random_model
-from tests.model_configs import FAMILIES
+from tests.support.model_configs import FAMILIES
 
 
 @pytest.fixture(scope="session")

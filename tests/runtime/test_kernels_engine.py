@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_configs import FAMILIES
-from tests.reference import assert_matches_reference
+from tests.support.model_configs import FAMILIES
+from tests.support.reference import assert_matches_reference
 
 pytestmark = pytest.mark.kernels
 
 MAX_TOKENS = 4
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Blocks of 8 and 16 tokens a step: the 30-token prompt is prefilled in chunks over its cached start, decode
 # and prefill share steps, and the longest sequence outgrows mistral's window of 24. One process runs every

@@ -1,7 +1,7 @@
-"""PEFT adapters compiled at build time, in the engine: greedy outputs equal peft's (tests/peft_reference.py)
+"""PEFT adapters compiled at build time, in the engine: greedy outputs equal peft's (tests/support/peft_reference.py)
 for every adapter type and family, mixed batches equal solo runs, prefix hits and preemption keep the adapter,
 LoRA merged as peft merges it, padding waste reported, bad adapters refused clearly. Serving them over HTTP
-and the "auto" selector: tests/test_adapters_serve.py."""
+and the "auto" selector: tests/e2e/test_adapters_serve.py."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from snapshot.cache import BlobCache
 from snapshot.loader import load_with_report
 from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
-from tests.model_configs import FAMILIES
-from tests.peft_reference import _hf, assert_matches_peft, make_adapter
+from tests.support.model_configs import FAMILIES
+from tests.support.peft_reference import _hf, assert_matches_peft, make_adapter
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # name -> (peft config kind, options); virtual-token counts chosen to end inside a block of 16 (and one not)

@@ -32,7 +32,7 @@ from snapshot.s3 import S3Store
 from snapshot.store import LocalStore, Store
 from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PART = 64 << 10
 SIZES = (300_000, 700_001, (1 << 20) + 1, 0, 5)
 

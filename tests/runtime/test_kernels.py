@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run on CPU tensors under Triton's interpreter. Triton picks interpreter or
 compiler when a function is decorated, so TRITON_INTERPRET=1 must be set before triton is first imported:
-tests.kernels_common does it, and every kernels test file imports it before any kernel. On a CUDA machine
+tests.support.kernels_common does it, and every kernels test file imports it before any kernel. On a CUDA machine
 the same tests run the compiled kernels.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels_common import DEVICE, EPS, INTERPRETED, assert_close, randn  # sets TRITON_INTERPRET first
+from tests.support.kernels_common import DEVICE, EPS, INTERPRETED, assert_close, randn  # sets TRITON_INTERPRET first
 
 pytestmark = pytest.mark.kernels
 
@@ -78,7 +78,7 @@ def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
 def test_first_call_timings_cover_every_kernel() -> None:
     from runtime.models.config import ModelConfig
     from runtime.models.kernel_warmup import first_call_seconds
-    from tests.model_configs import FAMILIES
+    from tests.support.model_configs import FAMILIES
 
     config = ModelConfig.from_dict(FAMILIES["qwen3"])
     timings = first_call_seconds(config, torch.float32, torch.device(DEVICE))

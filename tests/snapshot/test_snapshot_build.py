@@ -16,8 +16,8 @@ from snapshot.format import Manifest
 from snapshot.loader import SnapshotError, load_with_report
 from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
-from tests.model_configs import FAMILIES
-from tests.reference import assert_matches_reference
+from tests.support.model_configs import FAMILIES
+from tests.support.reference import assert_matches_reference
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SYSTEM_TEXT = "You are a terse assistant. Answer in one short sentence, and never apologise for anything. " * 3

@@ -21,7 +21,7 @@ from runtime import LLM, EngineOptions, LLMEngine, SamplingParams
 from runtime.models.config import ModelConfigError
 
 ModelDir = Callable[[str], pathlib.Path]
-VOCAB = 1000  # tests.model_configs.FAMILIES["llama"]["vocab_size"]
+VOCAB = 1000  # tests.support.model_configs.FAMILIES["llama"]["vocab_size"]
 MAX_MODEL_LEN = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 

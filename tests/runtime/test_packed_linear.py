@@ -9,7 +9,7 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.quant.packed_linear import PackedWeight, can_prepack
-from tests.model_configs import FAMILIES
+from tests.support.model_configs import FAMILIES
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="oneDNN is not available")
 

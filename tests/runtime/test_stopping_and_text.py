@@ -13,7 +13,7 @@ import pytest
 
 from runtime import LLM, LLMEngine, SamplingParams
 from runtime.tokenizer import Detokenizer, Tokenizer
-from tests.model_configs import FAMILIES
+from tests.support.model_configs import FAMILIES
 
 ModelDir = Callable[[str], pathlib.Path]
 PROMPT = "The quick brown fox"

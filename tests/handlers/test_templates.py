@@ -1,6 +1,6 @@
 """`warmstart template`: every platform rendered from a tiny snapshot in an S3 store (moto) and checked by its
 ecosystem's own tools: cfn-lint, check-jsonschema (Knative Service and KServe InferenceService schemas,
-vendored in tests/schemas), hadolint, yamllint, `modal` importing the app, and RunPod's local test runner
+vendored in tests/handlers/schemas), hadolint, yamllint, `modal` importing the app, and RunPod's local test runner
 running the handler on a job. Each validator is also shown to reject a broken render."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import yaml
 
 from handlers.deploy_templates import PLATFORMS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 BUCKET = "snapshots"
@@ -402,7 +402,7 @@ def test_sagemaker_ping_and_invocations(tiny_model_dir, tmp_path: Path) -> None:
 
     from handlers.app import create_app
     from handlers.state import Limits
-    from tests.serving import build_tiny_snapshot, ready_state
+    from tests.support.serving import build_tiny_snapshot, ready_state
 
     state = ready_state(build_tiny_snapshot(tiny_model_dir("llama"), tmp_path), Limits(api_key="secret"))
     try:

@@ -302,7 +302,7 @@ def test_llm_greedy_logprobs_report_the_argmax(llama_dir: pathlib.Path) -> None:
 
 def test_llm_sampled_logprobs_match_transformers(llama_dir: pathlib.Path) -> None:
     pytest.importorskip("transformers")
-    from tests.reference import hf_model
+    from tests.support.reference import hf_model
 
     prompt = prompts()[2]
     llm = LLM.from_hf(llama_dir, dtype="float32", num_kv_blocks=64)

@@ -20,7 +20,7 @@ from snapshot.build import BuildOptions, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
-from tests.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot
+from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot
 
 PROMPT = [5, 17, 99, 243, 12, 800, 41, 7, 300]
 

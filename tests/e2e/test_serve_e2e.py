@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving import (
+from tests.support.serving import (
     AUTH,
     KEY,
     REF,

@@ -13,7 +13,7 @@ import pytest
 
 def warmstart(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                          env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels_common import DEVICE, EPS, assert_close, randn  # sets TRITON_INTERPRET first
+from tests.support.kernels_common import DEVICE, EPS, assert_close, randn  # sets TRITON_INTERPRET first
 
 pytestmark = pytest.mark.kernels
 

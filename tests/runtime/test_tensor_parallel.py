@@ -1,4 +1,4 @@
-"""Tensor parallelism with real processes: 2 gloo ranks (tests/tp_worker.py) against the single-rank engine.
+"""Tensor parallelism with real processes: 2 gloo ranks (tests/support/tp_worker.py) against the single-rank engine.
 
 One process pair runs every case of the module (each family from its HF directory, preemption, a sharded
 snapshot with a prefix, and finally a follower that dies), so the module costs one group's start-up.
@@ -28,9 +28,9 @@ from snapshot.cache import BlobCache
 from snapshot.loader import SnapshotError, load_with_report
 from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
-from tests.model_configs import FAMILIES
+from tests.support.model_configs import FAMILIES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 FAMILY_OPTIONS = {"num_kv_blocks": 64, "max_num_batched_tokens": 32}  # chunked prefills beside decodes
 PREEMPT_OPTIONS = {"block_size": 4, "num_kv_blocks": 14, "max_num_seqs": 4}
@@ -67,7 +67,7 @@ def free_port() -> int:
 def sharded_snapshot(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:  # type: ignore[no-untyped-def]
     """The llama model with a text prefix and two PEFT adapters (5 virtual tokens: a partial block that each
     request copies; 16: whole blocks), built for 2 ranks, and the same built for 1 as the reference."""
-    from tests.peft_reference import make_adapter
+    from tests.support.peft_reference import make_adapter
 
     root = tmp_path_factory.mktemp("tp-snapshot")
     model_dir = tiny_model_dir("llama")
@@ -124,7 +124,7 @@ def results(cases: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactor
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(root / "spec.json")], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.tp_worker", str(root / "spec.json")], cwd=REPO,
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]
     try:

@@ -1,4 +1,4 @@
-"""One tensor-parallel rank for the tests, as a real process: `python -m tests.tp_worker SPEC.json`, with RANK,
+"""One tensor-parallel rank for the tests, as a real process: `python -m tests.support.tp_worker SPEC.json`, with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as torchrun sets them.
 
 Every rank builds each case's engine over its own shard (an HF directory sharded here, or a sharded snapshot

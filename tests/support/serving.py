@@ -23,7 +23,7 @@ from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 
 REF = "tiny"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KEY = "e2e-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 START_TIMEOUT = 90.0

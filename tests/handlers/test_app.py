@@ -15,7 +15,7 @@ from handlers.coldstart import Timeline
 from handlers.state import Limits, ServeState
 from runtime import LLM, SamplingParams
 from snapshot.loader import load
-from tests.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
+from tests.support.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 KEY = "s3cret-key"

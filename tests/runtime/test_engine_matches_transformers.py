@@ -7,8 +7,8 @@ import random
 import pytest
 
 from runtime import LLM, SamplingParams
-from tests.model_configs import FAMILIES
-from tests.reference import assert_matches_reference
+from tests.support.model_configs import FAMILIES
+from tests.support.reference import assert_matches_reference
 
 MAX_TOKENS = 12
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS, _param_specs, make_random_model
-from tests.model_configs import FAMILIES
+from tests.support.model_configs import FAMILIES
 
 transformers = pytest.importorskip("transformers")
 

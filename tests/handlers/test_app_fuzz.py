@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from handlers.app import create_app
 from handlers.state import Limits, ServeState
-from tests.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
+from tests.support.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
 
 
 @pytest.fixture(scope="module")

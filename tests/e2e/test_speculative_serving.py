@@ -26,8 +26,8 @@ from snapshot.cache import BlobCache
 from snapshot.loader import SnapshotError, load
 from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
-from tests.model_configs import FAMILIES
-from tests.serving import DOC_TEXT, SYSTEM_TEXT
+from tests.support.model_configs import FAMILIES
+from tests.support.serving import DOC_TEXT, SYSTEM_TEXT
 
 REF = "tiny-spec"
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -147,7 +147,7 @@ def test_serve_and_build_take_the_speculative_options() -> None:
     args = build_parser().parse_args(["build", "m", "--draft", "d", "--draft-quant", "int4"])
     assert (str(args.draft), args.draft_quant) == ("d", "int4")
     bad = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "ref", "--speculative", "medusa"],
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=60)
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=60)
     assert bad.returncode == 2 and "--speculative" in bad.stderr
 
 
@@ -174,7 +174,7 @@ def test_build_draft_from_the_command_line(tiny_model_dir, tmp_path: Path) -> No
 
     def warmstart(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True,
-                              env=env, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                              env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
 
     built = warmstart("build", str(model), "--draft", str(draft), "--draft-quant", "int8", "--dtype", "float32",
                       "--json")

@@ -21,9 +21,9 @@ from handlers.openai_protocol import APIError, ServedModel, parse_completion
 from handlers.state import ServeState
 from runtime import LLM, SamplingParams
 from snapshot.loader import load
-from tests.peft_reference import make_adapter
-from tests.serving import AUTH, ServerProcess, TinySnapshot, error_of, ready_state
-from tests.test_cli_snapshot import last_json, warmstart
+from tests.handlers.test_cli_snapshot import last_json, warmstart
+from tests.support.peft_reference import make_adapter
+from tests.support.serving import AUTH, ServerProcess, TinySnapshot, error_of, ready_state
 
 TOPICS = {
     "cooking": "salt pepper oven bake flour sugar butter onion garlic soup bread dinner",
