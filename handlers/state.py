@@ -18,7 +18,6 @@ from handlers.generate import Service
 from handlers.manifest_summary import adapter_summaries, selector_summary
 from handlers.metrics import Metrics
 from handlers.openai_protocol import APIError, Prefix, ServedModel
-from handlers.tensor_parallel import rank_load
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
@@ -116,7 +115,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, **engine_options)
         rank_loads: list[Any] = []
         if state.group is not None:
-            rank_loads = state.group.gather_objects(rank_load(report, 0))
+            rank_loads = state.group.gather_objects(report.rank_load(0))
         for phase in ("manifest", "blobs", "mapped"):
             details: dict[str, Any] = {}
             if phase == "manifest":

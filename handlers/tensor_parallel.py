@@ -22,12 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from handlers.errors import CliError
-
-if TYPE_CHECKING:
-    from snapshot.loader import LoadReport
 
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
 WATCH_INTERVAL_S = 0.2
@@ -85,13 +82,6 @@ def follower_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def rank_load(report: LoadReport, rank: int) -> dict[str, Any]:
-    """One rank's cold start: what it pulled and how long pulling and mapping took."""
-    p = report.phases
-    return {"rank": rank, "bytes_downloaded": report.bytes_downloaded, "blobs_total": report.blobs_total,
-            "pull_seconds": round(p["blobs"] - p["manifest"], 4), "map_seconds": round(p["mapped"] - p["blobs"], 4)}
-
-
 def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     """A rank > 0: load this rank's shard, report its cold start to rank 0, follow rank 0's steps."""
     rank = os.environ.get("RANK", "?")
@@ -103,7 +93,7 @@ def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
 
         group = TensorParallelGroup(timeout_s=args.collective_timeout)
         llm, report = load_with_report(args.ref, args.store, BlobCache(args.cache), group=group, **engine_options)
-        group.gather_objects(rank_load(report, group.rank))
+        group.gather_objects(report.rank_load(group.rank))
         follow(llm.engine.runner, group)
     except Exception as e:  # the loader's errors say what to do; a failed collective names the lost peer
         print(f"warmstart: error: tensor-parallel rank {rank}: {e}", file=sys.stderr)

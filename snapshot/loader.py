@@ -49,6 +49,13 @@ class LoadReport:
     prefixes: list[dict[str, Any]] = field(default_factory=list)
     manifest: Manifest | None = None
 
+    def rank_load(self, rank: int) -> dict[str, Any]:
+        """This rank's cold start, as a tensor-parallel group gathers it: what it pulled, how long pulling
+        and mapping took."""
+        p = self.phases
+        return {"rank": rank, "bytes_downloaded": self.bytes_downloaded, "blobs_total": self.blobs_total,
+                "pull_seconds": round(p["blobs"] - p["manifest"], 4), "map_seconds": round(p["mapped"] - p["blobs"], 4)}
+
 
 def load(
     ref: str,
