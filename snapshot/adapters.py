@@ -128,7 +128,7 @@ def compile_prompt_adapter(adapter: PromptAdapter, engine: LLMEngine) -> torch.T
         return engine.virtual_tokens_kv(adapter.embeddings.to(dtype))
     n = adapter.num_tokens
     kv = adapter.embeddings.to(dtype).view(n, c.num_layers, 2, c.num_kv_heads, c.head_dim).permute(1, 2, 3, 0, 4)
-    return to_blocks(kv, engine.blocks.block_size)
+    return to_blocks(kv, engine.options.block_size)
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------

@@ -195,7 +195,7 @@ def _adapter_entry(
     adapter: PromptAdapter, engine: LLMEngine, blobs: BlobWriter, log: Callable[[str], None], world: int
 ) -> dict[str, Any]:
     kv = compile_prompt_adapter(adapter, engine)
-    bs = engine.blocks.block_size
+    bs = engine.options.block_size
     waste = wasted_slots(adapter.num_tokens, bs)
     log(f"adapter {adapter.name!r}: {adapter.kind}, {adapter.num_tokens} virtual tokens, {waste} of "
         f"{kv.shape[3] * bs} KV slots unused at block size {bs}"
