@@ -111,9 +111,17 @@ class S3Store(Store):
     def _get_bytes(self, key: str, what: str) -> bytes:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return bytes(response["Body"].read())
         except Exception as e:
             raise self._error(e, what) from None
+        try:
+            return bytes(response["Body"].read())
+        except Exception as e:
+            error = self._error(e, what)
+            if type(error) is StoreUnreachable:  # cut mid-body: botocore retried the request, not the body
+                raise TransferInterrupted(str(error)) from None
+            raise error from None
+        finally:
+            response["Body"].close()
 
     def _stream(self, key: str, start: int, end: int, what: str) -> Iterator[bytes]:
         if end == start:

@@ -15,6 +15,7 @@ Credentials never appear in a message or a log line.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from abc import ABC, abstractmethod
@@ -23,9 +24,12 @@ from contextlib import suppress
 from pathlib import Path
 from urllib.parse import urlparse
 
-from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError
+from snapshot import retry
+from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError, TransferInterrupted
 from snapshot.files import CHUNK, OnBytes, copy_into, os_errors, user_cache_dir, write_all, write_atomic
 from snapshot.format import blob_id, file_blob_id, is_id
+
+log = logging.getLogger("warmstart.snapshot")
 
 MAX_REF_LENGTH = 128
 REF_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
@@ -92,7 +96,8 @@ class Store(ABC):
 
     @abstractmethod
     def _get_bytes(self, key: str, what: str) -> bytes:
-        """The whole object; raises NotFound naming ``what`` when it does not exist."""
+        """The whole object; raises NotFound naming ``what`` when it does not exist, TransferInterrupted when the
+        connection fails while the body streams."""
 
     @abstractmethod
     def _stream(self, key: str, start: int, end: int, what: str) -> Iterator[bytes]:
@@ -166,7 +171,7 @@ class Store(ABC):
     def get_manifest(self, snapshot_id: str) -> bytes:
         check_id(snapshot_id, "snapshot")
         try:
-            data = self._get_bytes(_manifest_key(snapshot_id), f"snapshot {snapshot_id}")
+            data = self._get_retrying(_manifest_key(snapshot_id), f"snapshot {snapshot_id}")
         except NoSuchBucket:
             raise
         except NotFound:
@@ -198,7 +203,7 @@ class Store(ABC):
     def get_ref(self, name: str) -> str:
         check_ref_name(name)
         try:
-            raw = self._get_bytes(_ref_key(name), f"ref {name!r}")
+            raw = self._get_retrying(_ref_key(name), f"ref {name!r}")
         except NoSuchBucket:
             raise
         except NotFound:
@@ -218,6 +223,19 @@ class Store(ABC):
         if self._size(_ref_key(name)) is None:
             raise NotFound(f"ref {name!r} not found in {self.uri}")
         self._delete(_ref_key(name))
+
+    def _get_retrying(self, key: str, what: str) -> bytes:
+        """The whole object, read again when the connection drops mid-body, as blob parts are."""
+        attempt = 0
+        while True:
+            try:
+                return self._get_bytes(key, what)
+            except TransferInterrupted as e:
+                attempt += 1
+                if attempt > retry.RETRIES:
+                    raise
+                log.debug("%s: reading again (attempt %d): %s", what, attempt + 1, e)
+                retry.pause_before_retry(attempt)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

@@ -25,6 +25,7 @@ from snapshot.errors import CorruptBlob, StoreError, TransferInterrupted
 from snapshot.files import CHUNK, fsync_dir, os_errors
 from snapshot.format import FormatError, Manifest, blob_id, is_id
 from snapshot.progress import Progress, as_progress
+from snapshot.retry import BACKOFF_SECONDS, RETRIES  # per part, for connections dropped while the body streams
 from snapshot.store import Store, check_id
 
 log = logging.getLogger("warmstart.snapshot")
@@ -32,8 +33,6 @@ log = logging.getLogger("warmstart.snapshot")
 DEFAULT_CONCURRENCY = 8
 DEFAULT_PART_SIZE = 16 << 20
 PUSH_CONCURRENCY = 4
-RETRIES = 5  # per part, for connections dropped while the body streams (botocore retries whole requests)
-BACKOFF_SECONDS = 0.2
 
 
 # Pull ----------------------------------------------------------------------------------------------------
