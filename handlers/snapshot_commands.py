@@ -1,6 +1,7 @@
 """`warmstart build | pull | ls | inspect | tag | gc`: snapshots from the command line.
 
-Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main).
+Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main);
+`ls` exits with LS_INCOMPLETE (3) when it listed the store but flagged entries it cannot read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from handlers.errors import CliError, positive_int
+
+LS_INCOMPLETE = 3  # `ls` exit status: listed what it could read, flagged the entries it could not
 
 
 def add_commands(sub: Any) -> None:
@@ -51,7 +54,10 @@ def add_commands(sub: Any) -> None:
     _common(pull, cache=True)
     pull.set_defaults(func=cmd_pull)
 
-    ls = sub.add_parser("ls", help="list the store's snapshots and refs")
+    ls = sub.add_parser("ls", help="list the store's snapshots and refs",
+                        epilog=f"A manifest or ref that cannot be used is flagged and the rest listed; the exit "
+                               f"status is then {LS_INCOMPLETE} (0 when all is well, 1 when the store cannot be "
+                               "listed).")
     _common(ls)
     ls.set_defaults(func=cmd_ls)
 
@@ -116,9 +122,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.adapters import AdapterSpec
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.store import open_store
+        from snapshot.store import check_new_ref_name, open_store
         from snapshot.transfer import push_snapshot
 
+        for name in args.tag:
+            check_new_ref_name(name)  # before the build, not after it
         try:
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
             prefixes += [PrefixSpec.parse(p, "system") for p in args.system]
@@ -167,25 +175,57 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """Exit status 0 when everything was listed; LS_INCOMPLETE when some manifests or refs cannot be read (they
+    are flagged, the rest is listed); 1 when the store cannot be listed at all."""
     with user_errors():
-        from snapshot.format import Manifest
+        from snapshot.errors import CorruptBlob
+        from snapshot.format import FormatError
         from snapshot.store import open_store
 
         store = open_store(args.store)
-        refs = store.list_refs()
-        rows = []
-        for sid in sorted(store.list_snapshots()):
-            m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
-            rows.append({"id": sid, "refs": sorted(n for n, t in refs.items() if t == sid),
-                         "architecture": m["model"]["architecture"], "quant": m["quantization"]["scheme"],
-                         "bytes": sum(m["blobs"].values()), "prefixes": [p["name"] for p in m["prefixes"]]})
+        refs, bad_refs = store.survey_refs()
+        snapshots = store.list_snapshots()
+        known = set(snapshots)
+        rows: list[dict[str, Any]] = []
+        problems: list[dict[str, str]] = []
+        for sid in snapshots:
+            try:
+                rows.append(_ls_row(store, sid, refs))
+            except (CorruptBlob, FormatError) as e:
+                problems.append({"kind": "snapshot", "name": sid, "error": str(e)})
+        problems += [{"kind": "ref", "name": name, "error": error} for name, error in bad_refs.items()]
+        problems += [{"kind": "ref", "name": name, "error": f"ref {name!r} points at snapshot {sid}, which is not in "
+                      f"{store.uri}; point it again with 'warmstart tag'"}
+                     for name, sid in refs.items() if sid not in known]
     if args.json:
-        print(json.dumps({"store": store.uri, "snapshots": rows, "refs": refs}))
+        print(json.dumps({"store": store.uri, "snapshots": rows, "refs": refs, "problems": problems}))
+    else:
+        for r in rows:
+            print(f"{r['id']}  {r['architecture']:<20} {r['quant']:<5} {r['bytes'] / 1e6:9.1f} MB  "
+                  f"refs: {', '.join(r['refs']) or '-'}  prefixes: {', '.join(r['prefixes']) or '-'}")
+        for p in problems:
+            label = p["name"] if p["kind"] == "snapshot" else f"ref {p['name']}"
+            print(f"{label}  {'unreadable' if p['kind'] == 'snapshot' else 'broken'}: {p['error']}")
+    if not problems:
         return 0
-    for r in rows:
-        print(f"{r['id']}  {r['architecture']:<20} {r['quant']:<5} {r['bytes'] / 1e6:9.1f} MB  "
-              f"refs: {', '.join(r['refs']) or '-'}  prefixes: {', '.join(r['prefixes']) or '-'}")
-    return 0
+    entries = f"{len(problems)} {'entry' if len(problems) == 1 else 'entries'}"
+    _log(args)(f"warmstart: warning: {entries} of {store.uri} cannot be used (marked above); "
+               f"the rest is listed (exit status {LS_INCOMPLETE})")
+    return LS_INCOMPLETE
+
+
+def _ls_row(store: Any, sid: str, refs: dict[str, str]) -> dict[str, Any]:
+    """The snapshot's line in `ls`; raises CorruptBlob or FormatError when its manifest cannot be read."""
+    from snapshot.format import FormatError, Manifest
+
+    m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
+    try:
+        return {"id": sid, "refs": sorted(n for n, t in refs.items() if t == sid),
+                "architecture": str(m["model"]["architecture"]), "quant": str(m["quantization"]["scheme"]),
+                "bytes": sum(m["blobs"].values()), "prefixes": [str(p["name"]) for p in m["prefixes"]]}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"the manifest of snapshot {sid} lacks a field or has one of the wrong type "
+                          f"({type(e).__name__}: {str(e)[:80]}); rebuild and push it") from None
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -263,8 +303,9 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
 def cmd_tag(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.refs import resolve_ref
-        from snapshot.store import open_store
+        from snapshot.store import check_new_ref_name, open_store
 
+        check_new_ref_name(args.name)
         store = open_store(args.store)
         sid = resolve_ref(store, args.ref)
         store.set_ref(args.name, sid)

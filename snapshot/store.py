@@ -33,6 +33,8 @@ log = logging.getLogger("warmstart.snapshot")
 
 MAX_REF_LENGTH = 128
 REF_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+MIN_ID_PREFIX = 4  # the shortest id prefix that names a snapshot
+ID_OR_PREFIX = re.compile(rf"^[0-9a-fA-F]{{{MIN_ID_PREFIX},32}}$")
 MANIFEST_SUFFIX = ".msgpack"
 
 
@@ -71,6 +73,16 @@ def check_ref_name(name: str) -> None:
         raise StoreError(f"ref name {name!r} contains '..'; {hint}")
     if not REF_NAME.match(name):
         raise StoreError(f"ref name {name!r} is not allowed; {hint}, starting with a letter, digit or '_'")
+
+
+def check_new_ref_name(name: str) -> None:
+    """check_ref_name, and also refuse names that read as a snapshot id or id prefix: such a ref would hide the
+    snapshots whose ids start with it. Only for refs being made, so that older ones stay readable and deletable."""
+    check_ref_name(name)
+    if ID_OR_PREFIX.match(name):
+        raise StoreError(f"ref name {name!r} is only hex digits, so it reads as a snapshot id or id prefix and would "
+                         f"hide the snapshots whose id starts with it; use a name with another character, such as "
+                         f"'v{name}'")
 
 
 def check_id(text: str, what: str = "blob") -> None:
@@ -193,7 +205,7 @@ class Store(ABC):
 
     # Refs.
     def set_ref(self, name: str, snapshot_id: str) -> None:
-        check_ref_name(name)
+        check_new_ref_name(name)
         check_id(snapshot_id, "snapshot")
         if not self.has_manifest(snapshot_id):
             raise NotFound(f"cannot point ref {name!r} at snapshot {snapshot_id}: it is not in {self.uri} "
@@ -201,6 +213,37 @@ class Store(ABC):
         self._put_bytes(_ref_key(name), f"{snapshot_id}\n".encode())
 
     def get_ref(self, name: str) -> str:
+        target = self._ref_content(name)
+        if not is_id(target):
+            raise StoreError(self._bad_ref(name, target))
+        return target
+
+    def list_refs(self) -> dict[str, str]:
+        return {name: self.get_ref(name) for name in self._ref_names()}
+
+    def survey_refs(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Every ref, without stopping at a bad one: ({name: snapshot id}, {name: what is wrong with it}) for the
+        refs that hold a snapshot id and those that do not. A ref deleted meanwhile is in neither."""
+        good: dict[str, str] = {}
+        bad: dict[str, str] = {}
+        for name in self._ref_names():
+            try:
+                target = self._ref_content(name)
+            except NoSuchBucket:
+                raise
+            except NotFound:
+                continue
+            if is_id(target):
+                good[name] = target
+            else:
+                bad[name] = self._bad_ref(name, target)
+        return good, bad
+
+    def _ref_names(self) -> list[str]:
+        return sorted(name for name, _, _ in self._list("refs/") if is_ref_name(name))
+
+    def _ref_content(self, name: str) -> str:
+        """What the ref holds, stripped: a snapshot id unless someone wrote something else there."""
         check_ref_name(name)
         try:
             raw = self._get_retrying(_ref_key(name), f"ref {name!r}")
@@ -208,15 +251,11 @@ class Store(ABC):
             raise
         except NotFound:
             raise NotFound(f"ref {name!r} not found in {self.uri} (try 'warmstart ls --store {self.uri}')") from None
-        target = raw.decode("utf-8", "replace").strip()
-        if not is_id(target):
-            raise StoreError(f"ref {name!r} in {self.uri} does not hold a snapshot id; "
-                             "point it again with 'warmstart tag'")
-        return target
+        return raw.decode("utf-8", "replace").strip()
 
-    def list_refs(self) -> dict[str, str]:
-        names = sorted(name for name, _, _ in self._list("refs/") if is_ref_name(name))
-        return {name: self.get_ref(name) for name in names}
+    def _bad_ref(self, name: str, content: str) -> str:
+        return (f"ref {name!r} in {self.uri} does not hold a snapshot id (it holds {content[:40]!r}); "
+                "point it again with 'warmstart tag'")
 
     def delete_ref(self, name: str) -> None:
         check_ref_name(name)
