@@ -72,11 +72,13 @@ def add_commands(sub: Any) -> None:
     _common(tag)
     tag.set_defaults(func=cmd_tag)
 
-    gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references")
+    gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references, and temporary files "
+                                   "that killed processes left in the store and the local cache")
     gc.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
     gc.add_argument("--grace-seconds", type=int, default=3600,
-                    help="keep unreferenced blobs younger than this (a push may be in flight)")
-    _common(gc)
+                    help="keep unreferenced blobs and temporary files younger than this (a push, pull or build may "
+                         "be writing them)")
+    _common(gc, cache=True)
     gc.set_defaults(func=cmd_gc)
 
 
@@ -315,16 +317,20 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     with user_errors():
+        from snapshot.cache import default_cache_dir
         from snapshot.gc import gc
         from snapshot.store import open_store
 
         store = open_store(args.store)
-        report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds)
+        report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds,
+                    cache_root=(args.cache or default_cache_dir()).expanduser().absolute())
     result = {"dry_run": args.dry_run, "blobs_deleted": report.blobs_deleted, "bytes_freed": report.bytes_freed,
-              "kept": report.kept}
+              "kept": report.kept, "temporaries_deleted": report.temporaries_deleted,
+              "temporary_bytes_freed": report.temporary_bytes_freed}
     if args.json:
         print(json.dumps(result))
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.bytes_freed:,} bytes)")
+        print(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.bytes_freed:,} bytes) and "
+              f"{report.temporaries_deleted} stale temporary files ({report.temporary_bytes_freed:,} bytes)")
     return 0
