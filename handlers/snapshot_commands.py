@@ -1,4 +1,4 @@
-"""`warmstart build | pull | ls | inspect | tag | gc`: snapshots from the command line.
+"""`warmstart build | pull | verify | ls | inspect | tag | gc`: snapshots from the command line.
 
 Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main);
 `ls` exits with LS_INCOMPLETE (3) when it listed the store but flagged entries it cannot read.
@@ -13,9 +13,13 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from handlers.errors import CliError, positive_int
+
+if TYPE_CHECKING:
+    from snapshot.store import Store
+    from snapshot.verify import VerifyReport
 
 LS_INCOMPLETE = 3  # `ls` exit status: listed what it could read, flagged the entries it could not
 
@@ -71,6 +75,13 @@ def add_commands(sub: Any) -> None:
     tag.add_argument("name")
     _common(tag)
     tag.set_defaults(func=cmd_tag)
+
+    verify = sub.add_parser("verify", help="hash the cached blobs of a snapshot (or of the whole cache); "
+                                           "remove the damaged ones and download them again")
+    verify.add_argument("ref", nargs="?", help="a snapshot id, id prefix or ref (default: every blob in the cache)")
+    verify.add_argument("--concurrency", type=positive_int, default=8)
+    _common(verify, cache=True)
+    verify.set_defaults(func=cmd_verify)
 
     gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references, and temporary files "
                                    "that killed processes left in the store and the local cache")
@@ -149,6 +160,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             store.set_ref(name, built.id)
     result = {"id": built.id, "store": store.uri, "blobs_total": stats.blobs_total,
               "blobs_uploaded": stats.blobs_uploaded, "bytes_uploaded": stats.bytes_uploaded,
+              "blobs_replaced": stats.blobs_replaced,
               "tags": args.tag, "prefixes": [{"name": p["name"], "tokens": len(p["token_ids"])}
                                              for p in built.manifest.data["prefixes"]],
               "adapters": adapter_summaries(built.manifest.data), "selector": selector_summary(built.manifest.data)}
@@ -156,7 +168,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(built.id)
-        _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes)")
+        replaced = f"; {stats.blobs_replaced} replaced a damaged copy in the store" if stats.blobs_replaced else ""
+        _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes"
+                   f"{replaced})")
     return 0
 
 
@@ -171,9 +185,55 @@ def cmd_pull(args: argparse.Namespace) -> int:
         _, stats = pull_snapshot(store, _cache(args), snapshot_id, concurrency=args.concurrency,
                                  part_size=args.part_size_mb << 20, progress=not (args.quiet or args.json))
     result = {"id": snapshot_id, "blobs_total": stats.blobs_total, "blobs_downloaded": stats.blobs_downloaded,
-              "bytes_downloaded": stats.bytes_downloaded, "seconds": round(stats.seconds, 3)}
+              "bytes_downloaded": stats.bytes_downloaded, "blobs_replaced": stats.blobs_replaced,
+              "seconds": round(stats.seconds, 3)}
     print(json.dumps(result) if args.json else snapshot_id)
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.format import is_id
+        from snapshot.refs import resolve_ref
+        from snapshot.store import open_store
+        from snapshot.verify import verify_cache, verify_snapshot
+
+        cache = _cache(args)
+        stores: list[Store] = []
+
+        def store() -> Store:  # opened only when a blob must be fetched again or the ref needs resolving
+            if not stores:
+                stores.append(open_store(args.store))
+            return stores[0]
+
+        progress = not (args.quiet or args.json)
+        if args.ref is None:
+            report = verify_cache(cache, store, concurrency=args.concurrency, progress=progress)
+        else:
+            cached = cache.get_manifest(args.ref) if is_id(args.ref) else None
+            sid = args.ref if cached is not None else resolve_ref(store(), args.ref)
+            raw = cached or cache.get_manifest(sid) or store().get_manifest(sid)
+            report = verify_snapshot(cache, sid, raw, store, concurrency=args.concurrency, progress=progress)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print_verify_report(report)
+    if report.failed:
+        raise CliError(f"{len(report.failed)} damaged blob(s) were removed from the cache but could not be downloaded "
+                       f"again ({report.failed[0]}); pull the snapshot when the store is reachable")
+    return 0
+
+
+def print_verify_report(report: VerifyReport) -> None:
+    what = f"snapshot {report.snapshot}" if report.snapshot else f"the cache {report.cache}"
+    for b in report.bad:
+        print(f"blob {b['blob']}: {b['problem']}; {b['action']}")
+    for sid in report.bad_manifests:
+        print(f"cached manifest of snapshot {sid} does not match its id; removed")
+    missing = f", {report.blobs_missing} not in the cache" if report.blobs_missing else ""
+    verdict = f"{len(report.bad)} damaged" if report.bad else "all whole"
+    print(f"{what}: {report.blobs_checked} blobs checked ({report.bytes_checked:,} bytes) in {report.seconds:.2f} s, "
+          f"{verdict}{missing}")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

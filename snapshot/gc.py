@@ -27,8 +27,9 @@ def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600, cach
 
     A push uploads its blobs before its manifest, so while a push is in flight its new blobs are referenced
     by nothing yet: blobs younger than ``grace_seconds`` are kept for that reason. A push that reuses an old
-    unreferenced blob (left by a crashed push) can still lose it to a gc running at the same moment; do not
-    gc while pushing with a grace period shorter than pushes take.
+    unreferenced blob (left by a crashed push) refreshes its age first, and each blob's age is read again just
+    before it is deleted, so such a blob is kept too (see Store.delete_blob_if_older). Do not gc while pushing
+    with a grace period shorter than pushes take.
 
     Temporary files that killed writers left in a local store, and in the cache at ``cache_root`` when given,
     are removed too once nothing has written to them for the grace period (see snapshot.temporaries).
@@ -50,8 +51,9 @@ def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600, cach
         if now - modified < grace_seconds:
             in_grace += 1
             continue
-        if not dry_run:
-            store.delete_blob(blob)
+        if not dry_run and not store.delete_blob_if_older(blob, now - grace_seconds):
+            in_grace += 1  # refreshed since the listing by a push that relies on it (or gone already)
+            continue
         deleted += 1
         freed += size
     temporaries = _remove_temporaries(store, cache_root, now - grace_seconds, dry_run)

@@ -15,12 +15,14 @@ Credentials never appear in a message or a log line.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -101,7 +103,8 @@ class Store(ABC):
         """The object's size, or None when it does not exist."""
 
     @abstractmethod
-    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None) -> None: ...
+    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None, checksum: str | None = None) -> None:
+        """Store the file; a kind that keeps metadata stores ``checksum`` (a blob's id) beside it."""
 
     @abstractmethod
     def _put_bytes(self, key: str, data: bytes) -> None: ...
@@ -124,10 +127,43 @@ class Store(ABC):
     def _delete(self, key: str) -> None:
         """Remove the object; absent is fine."""
 
+    @abstractmethod
+    def _blob_matches(self, key: str, blob: str, size: int) -> bool | None:
+        """Whether the object is ``blob`` whole: None when it does not exist, False when its size or the checksum
+        the kind can check (a hash of a local file, the metadata of an S3 object) says it is not."""
+
+    @abstractmethod
+    def _touch(self, key: str, blob: str) -> bool:
+        """Make the object's last-modified time now (gc judges age by it); False when it does not exist or cannot
+        be touched, so that the caller stores it again instead."""
+
+    @abstractmethod
+    def _delete_if_older(self, key: str, cutoff: float) -> bool:
+        """Delete the object if it was last modified before ``cutoff`` (epoch seconds) as read now, not in an
+        earlier listing; returns whether it was deleted. A kind that can makes this atomic with ``_touch``."""
+
     # Blobs.
-    def has_blob(self, blob: str) -> bool:
+    def has_blob(self, blob: str, size: int | None = None) -> bool:
+        """Whether the store holds the blob (with that many bytes, given ``size``)."""
         check_id(blob)
-        return self._size(_blob_key(blob)) is not None
+        stored = self._size(_blob_key(blob))
+        return stored is not None and (size is None or stored == size)
+
+    def blob_matches(self, blob: str, size: int) -> bool | None:
+        """Whether the store holds the blob whole (None: not at all; False: damaged, by its size or checksum)."""
+        check_id(blob)
+        return self._blob_matches(_blob_key(blob), blob, size)
+
+    def refresh_blob(self, blob: str) -> bool:
+        """Make the blob young again, so that a gc running meanwhile keeps it through its grace period; False when
+        it is gone (or cannot be touched): store it again."""
+        check_id(blob)
+        return self._touch(_blob_key(blob), blob)
+
+    def delete_blob_if_older(self, blob: str, cutoff: float) -> bool:
+        """Delete the blob unless it was modified (or refreshed) at ``cutoff`` or later; returns whether it was."""
+        check_id(blob)
+        return self._delete_if_older(_blob_key(blob), cutoff)
 
     def blob_size(self, blob: str) -> int:
         check_id(blob)
@@ -147,7 +183,7 @@ class Store(ABC):
         if actual != blob:
             raise CorruptBlob(f"blob file {path} hashes to {actual}, not {blob}; it changed after the build, "
                               "so rebuild the snapshot")
-        self._put_file(_blob_key(blob), path, on_bytes)
+        self._put_file(_blob_key(blob), path, on_bytes, checksum=blob)
 
     def stream_range(self, blob: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of the blob, in pieces; fewer in total when the stored blob is shorter."""
@@ -326,7 +362,7 @@ class LocalStore(Store):
             except (FileNotFoundError, NotADirectoryError):
                 return None
 
-    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None) -> None:
+    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None, checksum: str | None = None) -> None:
         with os_errors(f"writing {key} into the store {self.uri}"):
             write_atomic(self._path(key), lambda f: copy_into(f, path, on_bytes))
 
@@ -369,3 +405,51 @@ class LocalStore(Store):
     def _delete(self, key: str) -> None:
         with os_errors(f"deleting {key} from the store {self.uri}"):
             self._path(key).unlink(missing_ok=True)
+
+    def _blob_matches(self, key: str, blob: str, size: int) -> bool | None:
+        # A local file has no checksum beside it, so it is hashed: a read from local disk, cheaper than the copy
+        # that replacing it would cost.
+        with os_errors(f"checking {key} in the store {self.uri}"):
+            try:
+                if self._path(key).stat().st_size != size:
+                    return False
+                return file_blob_id(self._path(key)) == blob
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+
+    def _touch(self, key: str, blob: str) -> bool:
+        with self._ages_lock(exclusive=False), os_errors(f"refreshing {key} in the store {self.uri}"):
+            try:
+                os.utime(self._path(key))
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                return False  # gone, or another user's file: the caller writes a fresh copy, as young
+            return True
+
+    def _delete_if_older(self, key: str, cutoff: float) -> bool:
+        with self._ages_lock(exclusive=True), os_errors(f"deleting {key} from the store {self.uri}"):
+            try:
+                if self._path(key).stat().st_mtime >= cutoff:
+                    return False
+                self._path(key).unlink()
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
+
+    @contextmanager
+    def _ages_lock(self, exclusive: bool) -> Iterator[None]:
+        """Between pushes refreshing blobs (shared) and gc judging a blob's age and deleting it (exclusive): gc then
+        sees a refreshed blob as young, or deletes it before the refresh, which then fails and uploads it again."""
+        with os_errors(f"locking the store {self.uri}"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".gc-lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            with os_errors(f"locking the store {self.uri}"):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                except OSError as e:
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    log.debug("the store %s cannot be locked (%s); gc and pushes are not serialized", self.uri, e)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
