@@ -208,6 +208,7 @@ def test_requests_still_running_when_the_grace_period_ends_get_an_error_and_the_
         while b"data: " not in data:
             data += stream.recv(4096)
         queued = _request(s.port, {"prompt": "Twice", "max_tokens": 4})  # waits behind the stream
+        _wait_for_waiting(s, 1)  # accepted, so the listener closing at SIGTERM cannot reset it
         # The stream's client reads nothing more until the cut, so the server cannot have sent it all by then.
         s.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
@@ -223,6 +224,18 @@ def test_requests_still_running_when_the_grace_period_ends_get_an_error_and_the_
         assert s.events[-1]["event"] == "stopped"
     finally:
         s.stop()
+
+
+def _wait_for_waiting(server: ServerProcess, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
+        waiting = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("warmstart:num_requests_waiting{")]
+        if waiting and waiting[0] >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no {count} requests waiting in the engine")
 
 
 def _request(port: int, body: dict[str, Any]) -> socket.socket:
