@@ -7,8 +7,11 @@ and SageMaker's container contract: GET /ping (as /health) and POST /invocations
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from handlers.generate import ClientGone
 from handlers.metrics import CONTENT_TYPE
 from handlers.openai_protocol import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
-from handlers.state import ServeState
+from handlers.state import Limits, ServeState
 
 if TYPE_CHECKING:
     from runtime.outputs import EngineStats
@@ -61,8 +64,9 @@ def create_app(state: ServeState) -> Starlette:
     async def generate(request: Request, parse: Parser) -> Response:
         service = state.ready_service()
         state.timeline.mark("first_request")
-        body = await read_json(request, state.limits.max_body_bytes)
-        return await service.respond(parse(body, service.model), request.receive)
+        raw = await read_body(request, state.limits)
+        # Parsing and tokenizing run in a thread, counted against the queue limit meanwhile.
+        return await service.respond(functools.partial(_parse_request, raw, parse, service.model), request.receive)
 
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion)
@@ -92,32 +96,100 @@ def create_app(state: ServeState) -> Starlette:
     return app
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing more than ``limit`` bytes (413) before reading them where the length is
-    declared, and as soon as they pass the limit where it is not."""
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The body, refusing more than ``limits.max_body_bytes`` bytes (413) before reading them where the length
+    is declared, and as soon as they pass the limit where it is not; a body that has not all arrived within
+    ``limits.body_timeout_s`` is a 408 (a client trickling bytes would otherwise hold its slot forever)."""
+    limit = limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(f"is {int(declared)} bytes", limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(f"is over {limit} bytes", limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"is over {limit} bytes", limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} seconds "
+                       f"({size} bytes came); send the whole body at once", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON; a 400 saying what is wrong with it otherwise."""
     if not raw.strip():
         raise bad("the request body is empty; send a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except RecursionError:
         raise bad("the request body is not valid JSON: it is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, bad UTF-8, integers too long to convert
         raise bad(f"the request body is not valid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(raw):  # valid UTF-8 cannot hold a surrogate: only an escape can
+        _refuse_lone_surrogates(body)
+    return body
+
+
+def _parse_request(raw: bytes, parse: Parser, model: ServedModel) -> Generation:
+    return parse(parse_json(raw), model)
+
+
+# \ud800-\udfff: half of a surrogate pair, or a lone surrogate that no UTF-8 text (and no tokenizer) can hold.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    """A 400 naming where the body holds a string (or a field name) with a lone UTF-16 surrogate, which json
+    accepts but nothing downstream can encode. Iterative: the body may be nested as deep as json allowed."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        where = None
+        if isinstance(value, str) and _has_lone_surrogate(value):
+            where = _json_path(path)
+        elif isinstance(value, dict):
+            if any(_has_lone_surrogate(k) for k in value):
+                where = f"a field name of {_json_path(path)}" if path else "a field name"
+            stack.extend((v, (*path, k)) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+        if where is not None:
+            param = path[0] if path and isinstance(path[0], str) else None
+            raise bad(f"{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                      "valid Unicode text; send characters outside the Basic Multilingual Plane as a surrogate pair "
+                      "or as UTF-8", param, "invalid_unicode")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _json_path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part[:40]}" if out else part[:40]
+    return out or "the body"
 
 
 def _too_large(size: str, limit: int) -> APIError:
     return APIError(413, f"the request body {size}; this server accepts at most {limit} bytes",
                     code="request_too_large")
+
+
+class ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: it renders whatever text a message quotes from the request (a lone
+    surrogate cannot be UTF-8), so an error never becomes a 500 that also drops the connection."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 class BearerAuth:
@@ -140,12 +212,12 @@ class BearerAuth:
         message = ("this server needs an API key: send the header 'Authorization: Bearer <key>'" if given is None
                    else "the API key is not valid (send 'Authorization: Bearer <key>')")
         error = APIError(401, message, code="invalid_api_key")
-        await JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await ErrorResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -156,7 +228,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"{request.url.path} does not accept {request.method}"
     else:
         message = str(exc.detail)
-    return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
+    return ErrorResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -165,7 +237,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     body = APIError(500, f"internal error ({type(exc).__name__}); this is a bug, the server log has the details")
-    return JSONResponse(body.body(), status_code=500)
+    return ErrorResponse(body.body(), status_code=500)
 
 
 def speculative_status(stats: EngineStats, engine: dict[str, Any]) -> dict[str, Any]:

@@ -4,9 +4,11 @@ away (its request aborted and its KV blocks freed at once), and the metrics and 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +34,11 @@ def engine_stopped(e: Exception) -> APIError:
     return APIError(503, f"the engine has stopped ({e}); this instance must be restarted")
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down and this request did not finish within its grace period "
+                    "(--grace-seconds); send it again", code="server_shutting_down")
+
+
 class Service:
     """The ready engine and what serving it needs; one per process."""
 
@@ -43,15 +50,26 @@ class Service:
         self.timeline = timeline
         self.max_running = max_running
         self.max_queue = max_queue
-        self.in_flight = 0
+        self.in_flight = 0  # requests being tokenized, waiting or running
+        self.cut = False  # set once a shutdown's grace period is over: what still runs ends with an error
+        # Tokenizing releases the GIL there (see runtime.tokenizer), so a long prompt stalls no stream.
+        self.tokenizing = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                             thread_name_prefix="warmstart-tokenize")
 
-    async def respond(self, gen: Generation, receive: Receive) -> Response:
+    async def respond(self, prepare: Callable[[], Generation], receive: Receive) -> Response:
+        """Serve the request ``prepare`` validates and tokenizes (in a thread, holding a slot meanwhile)."""
         from runtime.async_engine import EngineDeadError
 
         if self.in_flight >= self.max_running + self.max_queue:
             raise APIError(429, f"the server is full: {self.in_flight} requests in flight ({self.max_running} run "
                            f"at once, {self.max_queue} may wait); retry in a moment", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"})
+        self.in_flight += 1
+        try:
+            gen = await asyncio.get_running_loop().run_in_executor(self.tokenizing, prepare)
+        except BaseException:
+            self.in_flight -= 1
+            raise
         run = _Run(self, gen, f"{'chatcmpl' if gen.chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
             first = await until_disconnected(run.next(), receive)
@@ -60,7 +78,7 @@ class Service:
             if isinstance(e, ValueError):  # the engine's own checks, should ours have missed one
                 raise bad(str(e)) from None
             if isinstance(e, EngineDeadError):
-                raise engine_stopped(e) from None
+                raise self.unavailable(e) from None
             raise
         reply = Reply(gen, self.model, run.request_id)
         if gen.stream:
@@ -68,17 +86,26 @@ class Service:
         try:
             last = await until_disconnected(run.rest(first), receive)
         except EngineDeadError as e:
-            raise engine_stopped(e) from None
+            raise self.unavailable(e) from None
         finally:
             await run.close()
         return JSONResponse(reply.whole(last))
 
+    def unavailable(self, e: Exception) -> APIError:
+        return shutting_down() if self.cut else engine_stopped(e)
+
+    async def cut_in_flight(self) -> None:
+        """End every request still in flight with an error (a 503, or an SSE error event once streaming):
+        stopping the engine ends each engine stream, and `cut` ends a stream whose outputs are already queued."""
+        self.cut = True
+        await asyncio.to_thread(self.llm.shutdown)
+
 
 class _Run:
-    """One request in flight: its engine stream, the slot it holds, the timings it reports when closed."""
+    """One request in flight: its engine stream, the slot it holds (taken by Service.respond), the timings it
+    reports when closed."""
 
     def __init__(self, service: Service, gen: Generation, request_id: str) -> None:
-        service.in_flight += 1
         self.service = service
         self.request_id = request_id
         self.stream = cast(AsyncGenerator["RequestOutput", None],
@@ -88,6 +115,10 @@ class _Run:
         self.closed = False
 
     async def next(self) -> RequestOutput:
+        if self.service.cut:
+            from runtime.async_engine import EngineDeadError
+
+            raise EngineDeadError("the server is shutting down")
         out = await anext(self.stream)
         now = time.monotonic()
         if out.new_token_ids:
@@ -147,7 +178,7 @@ class EventStream(StreamingResponse):
             try:
                 out = await self.run.next()
             except EngineDeadError as e:  # the status line is long gone: say it in the stream
-                yield sse(engine_stopped(e).body())
+                yield sse(self.run.service.unavailable(e).body())
                 return
         if self.reply.gen.include_usage:
             yield sse(self.reply.usage_chunk(out))

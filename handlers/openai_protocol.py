@@ -79,17 +79,20 @@ class ServedModel:
         return self._system_head
 
     def check_text_length(self, chars: int, param: str) -> None:
-        """Refuse text too long for the context before tokenizing it: tokenizing holds the GIL (about 1 s per
-        MB here), stalling every stream. No token covers more characters than the longest vocabulary entry,
-        so text has at least chars / longest tokens; the factor 2 leaves room for normalizers that merge
-        characters (NFC)."""
+        """Refuse text too long for the context before tokenizing it, which costs about 1 s of CPU per MB.
+
+        No token covers more characters than the longest vocabulary entry (the factor 2 leaves room for
+        normalizers that merge characters), but for real vocabularies (entries of 100+ characters) that bound
+        exceeds any body, so it is capped at MAX_CHARS_PER_TOKEN: text averaging more characters per token (long
+        runs of one character) is refused even where it would fit, and can be sent as token ids instead."""
         if self._max_text is None:
             assert self.tokenizer is not None
             longest = max(map(len, self.tokenizer.hf.get_vocab(with_added_tokens=True)), default=1)
-            self._max_text = 2 * longest * self.max_model_len
+            self._max_text = min(2 * longest, MAX_CHARS_PER_TOKEN) * self.max_model_len
         if chars > self._max_text:
             raise bad(f"the prompt is {chars} characters, more than this model's context of {self.max_model_len} "
-                      "tokens can hold; shorten the prompt", param, "context_length_exceeded")
+                      f"tokens can hold (at most {self._max_text} characters are tokenized); shorten the prompt, "
+                      "or send it as token ids", param, "context_length_exceeded")
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is not None:
@@ -101,6 +104,7 @@ class ServedModel:
 
 
 SYSTEM_PLACEHOLDER = "."
+MAX_CHARS_PER_TOKEN = 32  # prose averages 4 to 5 characters per token, code 3 to 4
 
 
 # -- requests ----------------------------------------------------------------------------------------------
@@ -306,6 +310,9 @@ def _completion_prompt(prompt: Any, model: ServedModel, prefix: Prefix | None) -
         if len(prompt) > 1 and any(isinstance(p, str | list) for p in prompt):
             raise bad(f"one prompt per request is supported, got {len(prompt)}; send them as separate requests",
                       "prompt")
+        if len(prompt) > model.max_model_len:  # before checking each id, which costs per id
+            raise bad(f"the prompt is {len(prompt)} tokens; this model's context is {model.max_model_len} tokens; "
+                      "shorten the prompt", "prompt", "context_length_exceeded")
         ids = _token_ids(prompt, model.vocab_size, "prompt")
     elif prompt is None:
         raise bad("prompt is required", "prompt")

@@ -11,6 +11,7 @@ afterwards, so /health answers 503 while they load. stdout carries one JSON line
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import socket
@@ -51,19 +52,32 @@ def add_command(sub: Any) -> None:
     limits.add_argument("--max-body-bytes", type=positive_int, default=2 << 20,
                         help="largest request body accepted (default 2 MiB)")
     limits.add_argument("--grace-seconds", type=float, default=30.0,
-                        help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+                        help="on SIGTERM, how long in-flight requests may take to finish; those still running then "
+                             "end with an error (a 503, or an SSE error event) (default 30)")
+    limits.add_argument("--body-timeout-seconds", type=float, default=30.0,
+                        help="a request body not all received within this is answered 408 (default 30)")
+    limits.add_argument("--keep-alive-seconds", type=float, default=KEEP_ALIVE_SECONDS,
+                        help="how long an idle keep-alive connection stays open; keep it above the idle timeout of "
+                             f"a load balancer in front (default {KEEP_ALIVE_SECONDS:g}, above AWS ALB's 60)")
     limits.add_argument("--api-key-env", default="WARMSTART_API_KEY", metavar="NAME",
                         help="environment variable holding the API key; when set, every route but /health needs "
                              "'Authorization: Bearer <key>' (default WARMSTART_API_KEY)")
     serve.set_defaults(func=cmd_serve)
 
 
+KEEP_ALIVE_SECONDS = 75.0  # nginx's default; a balancer reusing a connection the server just closed gets a 502
+CUT_MARGIN_SECONDS = 5.0  # after the grace period, for requests ended with an error to say so and close
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
     timeline = Timeline(emit=print_json_line)
-    if args.grace_seconds < 0:
-        raise CliError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
+    for flag, value in (("--grace-seconds", args.grace_seconds), ("--keep-alive-seconds", args.keep_alive_seconds)):
+        if not value >= 0:  # NaN too
+            raise CliError(f"{flag} must be a number of seconds >= 0, got {value}")
+    if not args.body_timeout_seconds > 0:
+        raise CliError(f"--body-timeout-seconds must be a number of seconds > 0, got {args.body_timeout_seconds}")
     if args.collective_timeout <= 0:
         raise CliError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
     engine_options = {name: getattr(args, name) for name in
@@ -85,7 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start_followers(ranks, args)  # on one machine: they load their shards while rank 0 starts listening
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None)
+    limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None,
+                    args.body_timeout_seconds)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url)
 
     def load() -> None:
@@ -98,14 +113,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeline.mark("listening", url=url, host=host, port=port, pid=os.getpid())
         threading.Thread(target=load, name="warmstart-load", daemon=True).start()
 
+    async def cut_after_grace() -> None:
+        await asyncio.sleep(args.grace_seconds)
+        if state.service is not None:
+            print_json_line({"event": "grace_period_over", "requests_cut": state.service.in_flight})
+            await state.service.cut_in_flight()
+
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:
                 on_listening()
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn's own timeout cancels what still runs (a cut stream, a 500 and a traceback): end those
+            # requests first with an error that says why, and keep its timeout as the last resort.
+            cut = asyncio.ensure_future(cut_after_grace())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cut.cancel()
+
     server = Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=args.grace_seconds))
+                                   timeout_keep_alive=args.keep_alive_seconds,
+                                   timeout_graceful_shutdown=args.grace_seconds + CUT_MARGIN_SECONDS))
 
     def stop(signum: int, frame: Any) -> None:
         server.should_exit = True

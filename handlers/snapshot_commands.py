@@ -1,6 +1,7 @@
-"""`warmstart build | pull | ls | inspect | tag | gc`: snapshots from the command line.
+"""`warmstart build | pull | verify | ls | inspect | tag | gc`: snapshots from the command line.
 
-Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main).
+Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main);
+`ls` exits with LS_INCOMPLETE (3) when it listed the store but flagged entries it cannot read.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from handlers.errors import CliError, positive_int
 from handlers.manifest_summary import adapter_summaries, selector_summary
+
+if TYPE_CHECKING:
+    from snapshot.store import Store
+    from snapshot.verify import VerifyReport
+
+LS_INCOMPLETE = 3  # `ls` exit status: listed what it could read, flagged the entries it could not
 
 
 def add_commands(sub: Any) -> None:
@@ -52,7 +59,10 @@ def add_commands(sub: Any) -> None:
     _common(pull, cache=True)
     pull.set_defaults(func=cmd_pull)
 
-    ls = sub.add_parser("ls", help="list the store's snapshots and refs")
+    ls = sub.add_parser("ls", help="list the store's snapshots and refs",
+                        epilog=f"A manifest or ref that cannot be used is flagged and the rest listed; the exit "
+                               f"status is then {LS_INCOMPLETE} (0 when all is well, 1 when the store cannot be "
+                               "listed).")
     _common(ls)
     ls.set_defaults(func=cmd_ls)
 
@@ -67,11 +77,20 @@ def add_commands(sub: Any) -> None:
     _common(tag)
     tag.set_defaults(func=cmd_tag)
 
-    gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references")
+    verify = sub.add_parser("verify", help="hash the cached blobs of a snapshot (or of the whole cache); "
+                                           "remove the damaged ones and download them again")
+    verify.add_argument("ref", nargs="?", help="a snapshot id, id prefix or ref (default: every blob in the cache)")
+    verify.add_argument("--concurrency", type=positive_int, default=8)
+    _common(verify, cache=True)
+    verify.set_defaults(func=cmd_verify)
+
+    gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references, and temporary files "
+                                   "that killed processes left in the store and the local cache")
     gc.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
     gc.add_argument("--grace-seconds", type=int, default=3600,
-                    help="keep unreferenced blobs younger than this (a push may be in flight)")
-    _common(gc)
+                    help="keep unreferenced blobs and temporary files younger than this (a push, pull or build may "
+                         "be writing them)")
+    _common(gc, cache=True)
     gc.set_defaults(func=cmd_gc)
 
 
@@ -117,9 +136,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.adapters import AdapterSpec
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+        from snapshot.store import check_new_ref_name
         from snapshot.stores import open_store
         from snapshot.transfer import push_snapshot
 
+        for name in args.tag:
+            check_new_ref_name(name)  # before the build, not after it
         try:
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
             prefixes += [PrefixSpec.parse(p, "system") for p in args.system]
@@ -140,6 +162,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             store.set_ref(name, built.id)
     result = {"id": built.id, "store": store.uri, "blobs_total": stats.blobs_total,
               "blobs_uploaded": stats.blobs_uploaded, "bytes_uploaded": stats.bytes_uploaded,
+              "blobs_replaced": stats.blobs_replaced,
               "tags": args.tag, "prefixes": [{"name": p["name"], "tokens": len(p["token_ids"])}
                                              for p in built.manifest.data["prefixes"]],
               "adapters": adapter_summaries(built.manifest.data), "selector": selector_summary(built.manifest.data)}
@@ -147,7 +170,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(built.id)
-        _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes)")
+        replaced = f"; {stats.blobs_replaced} replaced a damaged copy in the store" if stats.blobs_replaced else ""
+        _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes"
+                   f"{replaced})")
     return 0
 
 
@@ -162,31 +187,109 @@ def cmd_pull(args: argparse.Namespace) -> int:
         _, stats = pull_snapshot(store, _cache(args), snapshot_id, concurrency=args.concurrency,
                                  part_size=args.part_size_mb << 20, progress=not (args.quiet or args.json))
     result = {"id": snapshot_id, "blobs_total": stats.blobs_total, "blobs_downloaded": stats.blobs_downloaded,
-              "bytes_downloaded": stats.bytes_downloaded, "seconds": round(stats.seconds, 3)}
+              "bytes_downloaded": stats.bytes_downloaded, "blobs_replaced": stats.blobs_replaced,
+              "seconds": round(stats.seconds, 3)}
     print(json.dumps(result) if args.json else snapshot_id)
     return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.format import Manifest
+        from snapshot.format import is_id
+        from snapshot.refs import resolve_ref
+        from snapshot.stores import open_store
+        from snapshot.verify import verify_cache, verify_snapshot
+
+        cache = _cache(args)
+        stores: list[Store] = []
+
+        def store() -> Store:  # opened only when a blob must be fetched again or the ref needs resolving
+            if not stores:
+                stores.append(open_store(args.store))
+            return stores[0]
+
+        progress = not (args.quiet or args.json)
+        if args.ref is None:
+            report = verify_cache(cache, store, concurrency=args.concurrency, progress=progress)
+        else:
+            cached = cache.get_manifest(args.ref) if is_id(args.ref) else None
+            sid = args.ref if cached is not None else resolve_ref(store(), args.ref)
+            raw = cached or cache.get_manifest(sid) or store().get_manifest(sid)
+            report = verify_snapshot(cache, sid, raw, store, concurrency=args.concurrency, progress=progress)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print_verify_report(report)
+    if report.failed:
+        raise CliError(f"{len(report.failed)} damaged blob(s) were removed from the cache but could not be downloaded "
+                       f"again ({report.failed[0]}); pull the snapshot when the store is reachable")
+    return 0
+
+
+def print_verify_report(report: VerifyReport) -> None:
+    what = f"snapshot {report.snapshot}" if report.snapshot else f"the cache {report.cache}"
+    for b in report.bad:
+        print(f"blob {b['blob']}: {b['problem']}; {b['action']}")
+    for sid in report.bad_manifests:
+        print(f"cached manifest of snapshot {sid} does not match its id; removed")
+    missing = f", {report.blobs_missing} not in the cache" if report.blobs_missing else ""
+    verdict = f"{len(report.bad)} damaged" if report.bad else "all whole"
+    print(f"{what}: {report.blobs_checked} blobs checked ({report.bytes_checked:,} bytes) in {report.seconds:.2f} s, "
+          f"{verdict}{missing}")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Exit status 0 when everything was listed; LS_INCOMPLETE when some manifests or refs cannot be read (they
+    are flagged, the rest is listed); 1 when the store cannot be listed at all."""
+    with user_errors():
+        from snapshot.errors import CorruptBlob
+        from snapshot.format import FormatError
         from snapshot.stores import open_store
 
         store = open_store(args.store)
-        refs = store.list_refs()
-        rows = []
-        for sid in sorted(store.list_snapshots()):
-            m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
-            rows.append({"id": sid, "refs": sorted(n for n, t in refs.items() if t == sid),
-                         "architecture": m["model"]["architecture"], "quant": m["quantization"]["scheme"],
-                         "bytes": sum(m["blobs"].values()), "prefixes": [p["name"] for p in m["prefixes"]]})
+        refs, bad_refs = store.survey_refs()
+        snapshots = store.list_snapshots()
+        known = set(snapshots)
+        rows: list[dict[str, Any]] = []
+        problems: list[dict[str, str]] = []
+        for sid in snapshots:
+            try:
+                rows.append(_ls_row(store, sid, refs))
+            except (CorruptBlob, FormatError) as e:
+                problems.append({"kind": "snapshot", "name": sid, "error": str(e)})
+        problems += [{"kind": "ref", "name": name, "error": error} for name, error in bad_refs.items()]
+        problems += [{"kind": "ref", "name": name, "error": f"ref {name!r} points at snapshot {sid}, which is not in "
+                      f"{store.uri}; point it again with 'warmstart tag'"}
+                     for name, sid in refs.items() if sid not in known]
     if args.json:
-        print(json.dumps({"store": store.uri, "snapshots": rows, "refs": refs}))
+        print(json.dumps({"store": store.uri, "snapshots": rows, "refs": refs, "problems": problems}))
+    else:
+        for r in rows:
+            print(f"{r['id']}  {r['architecture']:<20} {r['quant']:<5} {r['bytes'] / 1e6:9.1f} MB  "
+                  f"refs: {', '.join(r['refs']) or '-'}  prefixes: {', '.join(r['prefixes']) or '-'}")
+        for p in problems:
+            label = p["name"] if p["kind"] == "snapshot" else f"ref {p['name']}"
+            print(f"{label}  {'unreadable' if p['kind'] == 'snapshot' else 'broken'}: {p['error']}")
+    if not problems:
         return 0
-    for r in rows:
-        print(f"{r['id']}  {r['architecture']:<20} {r['quant']:<5} {r['bytes'] / 1e6:9.1f} MB  "
-              f"refs: {', '.join(r['refs']) or '-'}  prefixes: {', '.join(r['prefixes']) or '-'}")
-    return 0
+    entries = f"{len(problems)} {'entry' if len(problems) == 1 else 'entries'}"
+    _log(args)(f"warmstart: warning: {entries} of {store.uri} cannot be used (marked above); "
+               f"the rest is listed (exit status {LS_INCOMPLETE})")
+    return LS_INCOMPLETE
+
+
+def _ls_row(store: Any, sid: str, refs: dict[str, str]) -> dict[str, Any]:
+    """The snapshot's line in `ls`; raises CorruptBlob or FormatError when its manifest cannot be read."""
+    from snapshot.format import FormatError, Manifest
+
+    m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
+    try:
+        return {"id": sid, "refs": sorted(n for n, t in refs.items() if t == sid),
+                "architecture": str(m["model"]["architecture"]), "quant": str(m["quantization"]["scheme"]),
+                "bytes": sum(m["blobs"].values()), "prefixes": [str(p["name"]) for p in m["prefixes"]]}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"the manifest of snapshot {sid} lacks a field or has one of the wrong type "
+                          f"({type(e).__name__}: {str(e)[:80]}); rebuild and push it") from None
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -254,8 +357,10 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
 def cmd_tag(args: argparse.Namespace) -> int:
     with user_errors():
         from snapshot.refs import resolve_ref
+        from snapshot.store import check_new_ref_name
         from snapshot.stores import open_store
 
+        check_new_ref_name(args.name)
         store = open_store(args.store)
         sid = resolve_ref(store, args.ref)
         store.set_ref(args.name, sid)
@@ -265,16 +370,20 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     with user_errors():
+        from snapshot.cache import default_cache_dir
         from snapshot.gc import gc
         from snapshot.stores import open_store
 
         store = open_store(args.store)
-        report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds)
+        report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds,
+                    cache_root=(args.cache or default_cache_dir()).expanduser().absolute())
     result = {"dry_run": args.dry_run, "blobs_deleted": report.blobs_deleted, "bytes_freed": report.bytes_freed,
-              "kept": report.kept}
+              "kept": report.kept, "temporaries_deleted": report.temporaries_deleted,
+              "temporary_bytes_freed": report.temporary_bytes_freed}
     if args.json:
         print(json.dumps(result))
     else:
         verb = "would delete" if args.dry_run else "deleted"
-        print(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.bytes_freed:,} bytes)")
+        print(f"{verb} {report.blobs_deleted} unreferenced blobs ({report.bytes_freed:,} bytes) and "
+              f"{report.temporaries_deleted} stale temporary files ({report.temporary_bytes_freed:,} bytes)")
     return 0

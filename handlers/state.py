@@ -33,6 +33,7 @@ class Limits:
     max_queue: int = 256  # requests that may wait beyond the engine's max_num_seqs before a 429
     max_body_bytes: int = 2 << 20
     api_key: str | None = None
+    body_timeout_s: float = 30.0  # a request body not all arrived by then is a 408
 
 
 @dataclass

@@ -52,7 +52,9 @@ class Tokenizer:
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch call releases the GIL while it works (`encode` holds it, about 1 s per MB), so a server
+        # tokenizing in a thread keeps streaming; "fast" skips the character offsets, which nothing here reads.
+        return list(self.hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))

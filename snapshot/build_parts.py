@@ -108,7 +108,10 @@ class BlobWriter:
         return self._adopt(path, file_blob_id(path), move=False)
 
     def _adopt(self, path: Path, bid: str, move: bool) -> str:
-        if not self.cache.has(bid):
+        # A copy already cached is checked before it is trusted (size and hash): a damaged one would otherwise
+        # fail every rebuild's push the same way. The file just derived replaces it.
+        size = path.stat().st_size
+        if not self.cache.has(bid) or self.cache.find_bad(bid, size) is not None:
             self.cache.add_file(bid, path, move=move)
         self.paths[bid] = self.cache.path(bid)
         self.sizes[bid] = self.cache.path(bid).stat().st_size

@@ -7,21 +7,30 @@ Cache layout (under $WARMSTART_CACHE or ~/.cache/warmstart/cache):
     locks/<id>                  one lock file per blob while some process is downloading it
     tmp/                        blobs being downloaded (one file per blob, named by its id)
 
-A blob enters ``blobs/`` only by a rename after its bytes were verified against its name, so whatever is
-there is whole and correct, whichever process put it there.
+A blob enters ``blobs/`` only by a rename after its bytes were verified against its name. What is there can
+still be damaged later (a disk filling up, a tool writing into the file), so loads check every blob's size
+against the manifest (a stat), and `pull` and `warmstart verify` check hashes; a bad blob is removed under
+its lock and fetched again.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+import xxhash
 
 from snapshot.errors import CorruptBlob
 from snapshot.files import copy_into, fsync_dir, os_errors, user_cache_dir, write_all, write_atomic
-from snapshot.format import blob_id, file_blob_id
+from snapshot.format import blob_id, file_blob_id, is_id
 from snapshot.store import check_id
+
+HASH_CHUNK = 1 << 20  # read and hash in pieces this large: measured faster than 8 MiB (they stay in cache)
 
 
 def default_cache_dir() -> Path:
@@ -41,8 +50,66 @@ class BlobCache:
         check_id(blob)
         return self.root / "blobs" / blob
 
-    def has(self, blob: str) -> bool:
-        return self.path(blob).is_file()
+    def has(self, blob: str, size: int | None = None) -> bool:
+        """Whether the blob is in the cache and, given ``size``, has that many bytes (a stat; nothing is read)."""
+        try:
+            st = self.path(blob).stat()
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
+
+    def find_bad(self, blob: str, size: int | None = None, *, verify_hash: bool = True) -> BadBlob | None:
+        """The cached blob if it is damaged: not ``size`` bytes (when given) or, with ``verify_hash``, not hashing
+        to its name. None when it is whole, and when it is not in the cache at all."""
+        path = self.path(blob)
+        with os_errors(f"checking blob {blob} in the cache {self.root}"):
+            try:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if size is not None and st.st_size != size:
+                        return BadBlob(blob, f"it is {st.st_size:,} bytes, the manifest says {size:,}", _identity(st))
+                    actual = _hash_open_file(f) if verify_hash else blob
+            except FileNotFoundError:
+                return None
+        if actual != blob:
+            return BadBlob(blob, f"its bytes hash to {actual}", _identity(st))
+        return None
+
+    def discard(self, bad: BadBlob) -> bool:
+        """Remove a blob found bad, unless it was replaced since (a rename by a pull is atomic, so a changed file is
+        a verified one). Taken under the blob's lock, so a download in flight finishes first."""
+        lock = self.blob_lock(bad.blob)
+        lock.acquire()
+        try:
+            path = self.path(bad.blob)
+            with os_errors(f"removing damaged blob {bad.blob} from the cache {self.root}"):
+                try:
+                    if _identity(path.stat()) != bad.identity:
+                        return False
+                    path.unlink()
+                except FileNotFoundError:
+                    return False
+                fsync_dir(path.parent)
+            return True
+        finally:
+            lock.release()
+
+    def blob_ids(self) -> list[str]:
+        """Every blob in the cache."""
+        with os_errors(f"listing the cache {self.root}"):
+            return sorted(e.name for e in os.scandir(self.root / "blobs") if is_id(e.name) and e.is_file())
+
+    def snapshot_ids(self) -> list[str]:
+        """Every snapshot whose manifest is cached (damaged ones included; get_manifest tells them apart)."""
+        with os_errors(f"listing the cache {self.root}"):
+            names = (e.name.removesuffix(".msgpack") for e in os.scandir(self.root / "snapshots")
+                     if e.name.endswith(".msgpack"))
+            return sorted(n for n in names if is_id(n))
+
+    def remove_manifest(self, snapshot_id: str) -> None:
+        check_id(snapshot_id, "snapshot")
+        with os_errors(f"removing a manifest from the cache {self.root}"):
+            self._manifest_path(snapshot_id).unlink(missing_ok=True)
 
     def add_file(self, blob: str, src: str | os.PathLike[str], *, move: bool = False) -> Path:
         """Put the file at ``src`` into the cache as ``blob`` after checking that it hashes to it. With ``move``,
@@ -95,6 +162,26 @@ class BlobCache:
 
     def _manifest_path(self, snapshot_id: str) -> Path:
         return self.root / "snapshots" / f"{snapshot_id}.msgpack"
+
+
+@dataclass(frozen=True)
+class BadBlob:
+    """A cached blob that is not what its name says."""
+
+    blob: str
+    problem: str  # what is wrong, in words ("it is 10 bytes, the manifest says 20")
+    identity: tuple[int, int, int, int]  # (device, inode, size, mtime_ns) of the file found bad
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _hash_open_file(f: BinaryIO) -> str:
+    h = xxhash.xxh3_128()
+    while chunk := f.read(HASH_CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 class BlobLock:

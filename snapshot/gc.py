@@ -1,13 +1,15 @@
-"""Deleting the blobs of a store that no snapshot references."""
+"""Deleting the blobs of a store that no snapshot references, and the temporary files killed writers left."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from snapshot.errors import StoreError
 from snapshot.format import FormatError, Manifest
 from snapshot.store import Store
+from snapshot.temporaries import Removed, remove_cache_temporaries, remove_store_temporaries
 
 
 @dataclass(frozen=True)
@@ -16,15 +18,21 @@ class GcReport:
     bytes_freed: int
     kept: int  # blobs left: referenced, or unreferenced but younger than the grace period
     kept_in_grace: int  # the unreferenced ones among them
+    temporaries_deleted: int = 0  # stale temporary files (and staging directories) of killed writers
+    temporary_bytes_freed: int = 0
 
 
-def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600) -> GcReport:
+def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600, cache_root: Path | None = None) -> GcReport:
     """Delete the store's blobs that no manifest references.
 
     A push uploads its blobs before its manifest, so while a push is in flight its new blobs are referenced
     by nothing yet: blobs younger than ``grace_seconds`` are kept for that reason. A push that reuses an old
-    unreferenced blob (left by a crashed push) can still lose it to a gc running at the same moment; do not
-    gc while pushing with a grace period shorter than pushes take.
+    unreferenced blob (left by a crashed push) refreshes its age first, and each blob's age is read again just
+    before it is deleted, so such a blob is kept too (see Store.delete_blob_if_older). Do not gc while pushing
+    with a grace period shorter than pushes take.
+
+    Temporary files that killed writers left in a local store, and in the cache at ``cache_root`` when given,
+    are removed too once nothing has written to them for the grace period (see snapshot.temporaries).
     """
     blobs = list(store.list_blobs())  # before the manifests: a manifest written meanwhile is then seen
     referenced: set[str] = set()
@@ -43,8 +51,18 @@ def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600) -> G
         if now - modified < grace_seconds:
             in_grace += 1
             continue
-        if not dry_run:
-            store.delete_blob(blob)
+        if not dry_run and not store.delete_blob_if_older(blob, now - grace_seconds):
+            in_grace += 1  # refreshed since the listing by a push that relies on it (or gone already)
+            continue
         deleted += 1
         freed += size
-    return GcReport(deleted, freed, len(blobs) - deleted, in_grace)
+    temporaries = _remove_temporaries(store, cache_root, now - grace_seconds, dry_run)
+    return GcReport(deleted, freed, len(blobs) - deleted, in_grace, temporaries.count, temporaries.bytes)
+
+
+def _remove_temporaries(store: Store, cache_root: Path | None, cutoff: float, dry_run: bool) -> Removed:
+    removed = remove_store_temporaries(store, cutoff, dry_run=dry_run)
+    if cache_root is not None:
+        cached = remove_cache_temporaries(cache_root, cutoff, dry_run=dry_run)
+        removed = Removed(removed.count + cached.count, removed.bytes + cached.bytes)
+    return removed

@@ -87,7 +87,10 @@ def load_with_report(
     manifest = None
     if cached is not None:
         _check_ranks(cached, group)
-    if raw is not None and cached is not None and all(blob_cache.has(b) for b in cached.blob_ids(rank)):
+    # A size check (a stat per blob) on every load; hashes are checked when blobs enter the cache, by `warmstart
+    # pull` and by `warmstart verify`, not here: see "What is verified when" in the README.
+    if raw is not None and cached is not None and all(blob_cache.has(b, size)
+                                                      for b, size in cached.blob_sizes(rank).items()):
         manifest = cached
         report = LoadReport(ref)  # everything is cached: a cold start needs no store at all
         report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
@@ -97,7 +100,7 @@ def load_with_report(
         report = LoadReport(snapshot_id)
         report.phases["manifest"] = time.monotonic() - start
         raw, stats = pull_snapshot(the_store, blob_cache, snapshot_id, concurrency=concurrency, rank=rank,
-                                   check=lambda m: _check_ranks(m, group))
+                                   check=lambda m: _check_ranks(m, group), verify_cached=False)
         report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
         report.phases["blobs"] = time.monotonic() - start
     if blob_id(raw) != report.snapshot_id:
@@ -128,7 +131,7 @@ def engine_from_manifest(
     m = rank_view(manifest.data, 0 if group is None else group.rank)
     config = ModelConfig.from_dict(m["model"]["config"], source=f"snapshot {sid}")
     options = _engine_options(m, engine_options, sid)
-    mapped = {b: map_blob(cache.path(b)) for b in m["blobs"]}
+    mapped = {b: _map_cached(cache, b, size, sid) for b, size in m["blobs"].items()}
     tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
     shard_config = config
     if group is not None and group.world > 1:
@@ -178,6 +181,20 @@ def map_blob(path: Path) -> torch.Tensor:
             return torch.empty(0, dtype=torch.uint8)
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _map_cached(cache: BlobCache, blob: str, size: int, sid: str) -> torch.Tensor:
+    """The cached blob, mapped, refused unless it has the manifest's size (a damaged blob would otherwise fail
+    later as a shape error deep in the engine)."""
+    fix = f"run `warmstart verify {sid}` (it downloads it again) or `warmstart pull {sid}`"
+    try:
+        mapped = map_blob(cache.path(blob))
+    except FileNotFoundError:
+        raise SnapshotError(f"blob {blob} of snapshot {sid} is missing from the cache {cache.root}; {fix}") from None
+    if mapped.numel() != size:
+        raise SnapshotError(f"blob {blob} of snapshot {sid} in the cache {cache.root} is {mapped.numel():,} bytes, "
+                            f"the manifest says {size:,}: it was damaged after it was pulled; {fix}")
+    return mapped
 
 
 def tensor_view(blob: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:

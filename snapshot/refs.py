@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from snapshot.errors import NoSuchBucket, NotFound, StoreError
 from snapshot.format import is_id
-from snapshot.store import Store, is_ref_name
+from snapshot.store import MIN_ID_PREFIX, Store, is_ref_name
 
-MIN_PREFIX = 4  # shortest id prefix that resolve_ref accepts
+MIN_PREFIX = MIN_ID_PREFIX  # shortest id prefix that resolve_ref accepts
 
 
 def resolve_ref(store: Store, ref: str) -> str:
     """The snapshot id that ``ref`` names: a full id, a ref name, or a unique id prefix of at least 4 digits
-    (looked up in that order, so a ref named like a prefix wins)."""
+    (looked up in that order: new refs may not look like a prefix, but one made before that rule still wins)."""
     ref = ref.strip()
     if not ref:
         raise StoreError("no snapshot given; pass an id, an id prefix or a ref name")
@@ -35,7 +35,7 @@ def resolve_ref(store: Store, ref: str) -> str:
         if candidates:
             raise StoreError(f"id prefix {ref!r} is ambiguous in {store.uri}: it matches "
                              f"{', '.join(candidates[:10])}{' ...' if len(candidates) > 10 else ''}; give more digits")
-    refs = store.list_refs()
+    refs, _ = store.survey_refs()  # a bad ref elsewhere must not hide what was asked
     short = hint = ""
     if hexdigits and len(ref) < MIN_PREFIX:
         short = f" (an id prefix needs at least {MIN_PREFIX} digits)"

@@ -16,6 +16,7 @@ from snapshot.store import Store
 
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 32 << 20
+CHECKSUM_METADATA = "xxh3"  # user metadata (x-amz-meta-xxh3) where a push stores a blob's id, its xxh3-128
 MAX_ATTEMPTS = 8  # unless configured: botocore retries throttling, 5xx and dropped connections with backoff
 
 BUCKET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -84,19 +85,24 @@ class S3Store(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _size(self, key: str) -> int | None:
+        head = self._head(key)
+        return None if head is None else int(head["ContentLength"])
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        """The object's HEAD response (size, last-modified, user metadata), or None when it does not exist."""
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return dict(self.client.head_object(Bucket=self.bucket, Key=self._key(key)))
         except Exception as e:
             error = self._error(e, key)
             if isinstance(error, NotFound) and not isinstance(error, NoSuchBucket):
                 return None
             raise error from None
-        return int(head["ContentLength"])
 
-    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None) -> None:
+    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None, checksum: str | None = None) -> None:
+        extra = {"Metadata": {CHECKSUM_METADATA: checksum}} if checksum else None
         try:
-            self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer_config,
-                                    Callback=on_bytes)
+            self.client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=extra,
+                                    Config=self.transfer_config, Callback=on_bytes)
         except Exception as e:
             # boto3 wraps client errors of uploads in S3UploadFailedError; the original is its context.
             cause = e.__cause__ or e.__context__
@@ -111,9 +117,17 @@ class S3Store(Store):
     def _get_bytes(self, key: str, what: str) -> bytes:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return bytes(response["Body"].read())
         except Exception as e:
             raise self._error(e, what) from None
+        try:
+            return bytes(response["Body"].read())
+        except Exception as e:
+            error = self._error(e, what)
+            if type(error) is StoreUnreachable:  # cut mid-body: botocore retried the request, not the body
+                raise TransferInterrupted(str(error)) from None
+            raise error from None
+        finally:
+            response["Body"].close()
 
     def _stream(self, key: str, start: int, end: int, what: str) -> Iterator[bytes]:
         if end == start:
@@ -157,6 +171,38 @@ class S3Store(Store):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except Exception as e:
             raise self._error(e, key) from None
+
+    def _blob_matches(self, key: str, blob: str, size: int) -> bool | None:
+        # The checksum is the blob's id, stored by the push that uploaded it: one HEAD, nothing read. An object
+        # without it (overwritten by another tool, or pushed by a warmstart before it kept one) counts as damaged.
+        head = self._head(key)
+        if head is None:
+            return None
+        return int(head["ContentLength"]) == size and head.get("Metadata", {}).get(CHECKSUM_METADATA) == blob
+
+    def _touch(self, key: str, blob: str) -> bool:
+        # S3 changes LastModified only on a write: a copy onto itself (server-side; S3 refuses one that changes
+        # nothing, hence the metadata written again). In a versioned bucket this keeps one more version.
+        source = {"Bucket": self.bucket, "Key": self._key(key)}
+        try:
+            self.client.copy(source, self.bucket, self._key(key), Config=self.transfer_config,
+                             ExtraArgs={"MetadataDirective": "REPLACE", "Metadata": {CHECKSUM_METADATA: blob}})
+        except Exception as e:
+            error = self._error(e, key)
+            if isinstance(error, NotFound) and not isinstance(error, NoSuchBucket):
+                return False
+            raise error from None
+        return True
+
+    def _delete_if_older(self, key: str, cutoff: float) -> bool:
+        # Not atomic: a refresh landing between this HEAD and the DELETE is lost (S3's conditional deletes match an
+        # ETag, which a self-copy keeps, or a modification time, on directory buckets only). A push re-checks its
+        # blobs after refreshing them, which leaves that one request's window.
+        head = self._head(key)
+        if head is None or head["LastModified"].timestamp() >= cutoff:
+            return False
+        self._delete(key)
+        return True
 
     def _error(self, e: BaseException, what: str) -> StoreError:
         """One clear StoreError for whatever boto3 raised; never the raw message (it might carry secrets)."""

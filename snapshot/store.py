@@ -15,19 +15,27 @@ Credentials never appear in a message or a log line.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
 import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError
+from snapshot import retry
+from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError, TransferInterrupted
 from snapshot.files import CHUNK, OnBytes, copy_into, os_errors, user_cache_dir, write_all, write_atomic
 from snapshot.format import blob_id, file_blob_id, is_id
 
+log = logging.getLogger("warmstart.snapshot")
+
 MAX_REF_LENGTH = 128
 REF_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+MIN_ID_PREFIX = 4  # the shortest id prefix that names a snapshot
+ID_OR_PREFIX = re.compile(rf"^[0-9a-fA-F]{{{MIN_ID_PREFIX},32}}$")
 MANIFEST_SUFFIX = ".msgpack"
 
 
@@ -49,6 +57,16 @@ def check_ref_name(name: str) -> None:
         raise StoreError(f"ref name {name!r} is not allowed; {hint}, starting with a letter, digit or '_'")
 
 
+def check_new_ref_name(name: str) -> None:
+    """check_ref_name, and also refuse names that read as a snapshot id or id prefix: such a ref would hide the
+    snapshots whose ids start with it. Only for refs being made, so that older ones stay readable and deletable."""
+    check_ref_name(name)
+    if ID_OR_PREFIX.match(name):
+        raise StoreError(f"ref name {name!r} is only hex digits, so it reads as a snapshot id or id prefix and would "
+                         f"hide the snapshots whose id starts with it; use a name with another character, such as "
+                         f"'v{name}'")
+
+
 def check_id(text: str, what: str = "blob") -> None:
     if not isinstance(text, str) or not is_id(text):
         raise StoreError(f"{what} id {str(text)[:80]!r} is not an id (32 lowercase hex digits of an xxh3-128 hash)")
@@ -65,14 +83,16 @@ class Store(ABC):
         """The object's size, or None when it does not exist."""
 
     @abstractmethod
-    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None) -> None: ...
+    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None, checksum: str | None = None) -> None:
+        """Store the file; a kind that keeps metadata stores ``checksum`` (a blob's id) beside it."""
 
     @abstractmethod
     def _put_bytes(self, key: str, data: bytes) -> None: ...
 
     @abstractmethod
     def _get_bytes(self, key: str, what: str) -> bytes:
-        """The whole object; raises NotFound naming ``what`` when it does not exist."""
+        """The whole object; raises NotFound naming ``what`` when it does not exist, TransferInterrupted when the
+        connection fails while the body streams."""
 
     @abstractmethod
     def _stream(self, key: str, start: int, end: int, what: str) -> Iterator[bytes]:
@@ -87,10 +107,43 @@ class Store(ABC):
     def _delete(self, key: str) -> None:
         """Remove the object; absent is fine."""
 
+    @abstractmethod
+    def _blob_matches(self, key: str, blob: str, size: int) -> bool | None:
+        """Whether the object is ``blob`` whole: None when it does not exist, False when its size or the checksum
+        the kind can check (a hash of a local file, the metadata of an S3 object) says it is not."""
+
+    @abstractmethod
+    def _touch(self, key: str, blob: str) -> bool:
+        """Make the object's last-modified time now (gc judges age by it); False when it does not exist or cannot
+        be touched, so that the caller stores it again instead."""
+
+    @abstractmethod
+    def _delete_if_older(self, key: str, cutoff: float) -> bool:
+        """Delete the object if it was last modified before ``cutoff`` (epoch seconds) as read now, not in an
+        earlier listing; returns whether it was deleted. A kind that can makes this atomic with ``_touch``."""
+
     # Blobs.
-    def has_blob(self, blob: str) -> bool:
+    def has_blob(self, blob: str, size: int | None = None) -> bool:
+        """Whether the store holds the blob (with that many bytes, given ``size``)."""
         check_id(blob)
-        return self._size(_blob_key(blob)) is not None
+        stored = self._size(_blob_key(blob))
+        return stored is not None and (size is None or stored == size)
+
+    def blob_matches(self, blob: str, size: int) -> bool | None:
+        """Whether the store holds the blob whole (None: not at all; False: damaged, by its size or checksum)."""
+        check_id(blob)
+        return self._blob_matches(_blob_key(blob), blob, size)
+
+    def refresh_blob(self, blob: str) -> bool:
+        """Make the blob young again, so that a gc running meanwhile keeps it through its grace period; False when
+        it is gone (or cannot be touched): store it again."""
+        check_id(blob)
+        return self._touch(_blob_key(blob), blob)
+
+    def delete_blob_if_older(self, blob: str, cutoff: float) -> bool:
+        """Delete the blob unless it was modified (or refreshed) at ``cutoff`` or later; returns whether it was."""
+        check_id(blob)
+        return self._delete_if_older(_blob_key(blob), cutoff)
 
     def blob_size(self, blob: str) -> int:
         check_id(blob)
@@ -110,7 +163,7 @@ class Store(ABC):
         if actual != blob:
             raise CorruptBlob(f"blob file {path} hashes to {actual}, not {blob}; it changed after the build, "
                               "so rebuild the snapshot")
-        self._put_file(_blob_key(blob), path, on_bytes)
+        self._put_file(_blob_key(blob), path, on_bytes, checksum=blob)
 
     def stream_range(self, blob: str, start: int, end: int) -> Iterator[bytes]:
         """Bytes [start, end) of the blob, in pieces; fewer in total when the stored blob is shorter."""
@@ -146,7 +199,7 @@ class Store(ABC):
     def get_manifest(self, snapshot_id: str) -> bytes:
         check_id(snapshot_id, "snapshot")
         try:
-            data = self._get_bytes(_manifest_key(snapshot_id), f"snapshot {snapshot_id}")
+            data = self._get_retrying(_manifest_key(snapshot_id), f"snapshot {snapshot_id}")
         except NoSuchBucket:
             raise
         except NotFound:
@@ -168,7 +221,7 @@ class Store(ABC):
 
     # Refs.
     def set_ref(self, name: str, snapshot_id: str) -> None:
-        check_ref_name(name)
+        check_new_ref_name(name)
         check_id(snapshot_id, "snapshot")
         if not self.has_manifest(snapshot_id):
             raise NotFound(f"cannot point ref {name!r} at snapshot {snapshot_id}: it is not in {self.uri} "
@@ -176,28 +229,68 @@ class Store(ABC):
         self._put_bytes(_ref_key(name), f"{snapshot_id}\n".encode())
 
     def get_ref(self, name: str) -> str:
+        target = self._ref_content(name)
+        if not is_id(target):
+            raise StoreError(self._bad_ref(name, target))
+        return target
+
+    def list_refs(self) -> dict[str, str]:
+        return {name: self.get_ref(name) for name in self._ref_names()}
+
+    def survey_refs(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Every ref, without stopping at a bad one: ({name: snapshot id}, {name: what is wrong with it}) for the
+        refs that hold a snapshot id and those that do not. A ref deleted meanwhile is in neither."""
+        good: dict[str, str] = {}
+        bad: dict[str, str] = {}
+        for name in self._ref_names():
+            try:
+                target = self._ref_content(name)
+            except NoSuchBucket:
+                raise
+            except NotFound:
+                continue
+            if is_id(target):
+                good[name] = target
+            else:
+                bad[name] = self._bad_ref(name, target)
+        return good, bad
+
+    def _ref_names(self) -> list[str]:
+        return sorted(name for name, _, _ in self._list("refs/") if is_ref_name(name))
+
+    def _ref_content(self, name: str) -> str:
+        """What the ref holds, stripped: a snapshot id unless someone wrote something else there."""
         check_ref_name(name)
         try:
-            raw = self._get_bytes(_ref_key(name), f"ref {name!r}")
+            raw = self._get_retrying(_ref_key(name), f"ref {name!r}")
         except NoSuchBucket:
             raise
         except NotFound:
             raise NotFound(f"ref {name!r} not found in {self.uri} (try 'warmstart ls --store {self.uri}')") from None
-        target = raw.decode("utf-8", "replace").strip()
-        if not is_id(target):
-            raise StoreError(f"ref {name!r} in {self.uri} does not hold a snapshot id; "
-                             "point it again with 'warmstart tag'")
-        return target
+        return raw.decode("utf-8", "replace").strip()
 
-    def list_refs(self) -> dict[str, str]:
-        names = sorted(name for name, _, _ in self._list("refs/") if is_ref_name(name))
-        return {name: self.get_ref(name) for name in names}
+    def _bad_ref(self, name: str, content: str) -> str:
+        return (f"ref {name!r} in {self.uri} does not hold a snapshot id (it holds {content[:40]!r}); "
+                "point it again with 'warmstart tag'")
 
     def delete_ref(self, name: str) -> None:
         check_ref_name(name)
         if self._size(_ref_key(name)) is None:
             raise NotFound(f"ref {name!r} not found in {self.uri}")
         self._delete(_ref_key(name))
+
+    def _get_retrying(self, key: str, what: str) -> bytes:
+        """The whole object, read again when the connection drops mid-body, as blob parts are."""
+        attempt = 0
+        while True:
+            try:
+                return self._get_bytes(key, what)
+            except TransferInterrupted as e:
+                attempt += 1
+                if attempt > retry.RETRIES:
+                    raise
+                log.debug("%s: reading again (attempt %d): %s", what, attempt + 1, e)
+                retry.pause_before_retry(attempt)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
@@ -240,7 +333,7 @@ class LocalStore(Store):
             except (FileNotFoundError, NotADirectoryError):
                 return None
 
-    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None) -> None:
+    def _put_file(self, key: str, path: Path, on_bytes: OnBytes | None, checksum: str | None = None) -> None:
         with os_errors(f"writing {key} into the store {self.uri}"):
             write_atomic(self._path(key), lambda f: copy_into(f, path, on_bytes))
 
@@ -283,3 +376,51 @@ class LocalStore(Store):
     def _delete(self, key: str) -> None:
         with os_errors(f"deleting {key} from the store {self.uri}"):
             self._path(key).unlink(missing_ok=True)
+
+    def _blob_matches(self, key: str, blob: str, size: int) -> bool | None:
+        # A local file has no checksum beside it, so it is hashed: a read from local disk, cheaper than the copy
+        # that replacing it would cost.
+        with os_errors(f"checking {key} in the store {self.uri}"):
+            try:
+                if self._path(key).stat().st_size != size:
+                    return False
+                return file_blob_id(self._path(key)) == blob
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+
+    def _touch(self, key: str, blob: str) -> bool:
+        with self._ages_lock(exclusive=False), os_errors(f"refreshing {key} in the store {self.uri}"):
+            try:
+                os.utime(self._path(key))
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                return False  # gone, or another user's file: the caller writes a fresh copy, as young
+            return True
+
+    def _delete_if_older(self, key: str, cutoff: float) -> bool:
+        with self._ages_lock(exclusive=True), os_errors(f"deleting {key} from the store {self.uri}"):
+            try:
+                if self._path(key).stat().st_mtime >= cutoff:
+                    return False
+                self._path(key).unlink()
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
+
+    @contextmanager
+    def _ages_lock(self, exclusive: bool) -> Iterator[None]:
+        """Between pushes refreshing blobs (shared) and gc judging a blob's age and deleting it (exclusive): gc then
+        sees a refreshed blob as young, or deletes it before the refresh, which then fails and uploads it again."""
+        with os_errors(f"locking the store {self.uri}"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".gc-lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            with os_errors(f"locking the store {self.uri}"):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+                except OSError as e:
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    log.debug("the store %s cannot be locked (%s); gc and pushes are not serialized", self.uri, e)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock

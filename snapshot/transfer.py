@@ -12,7 +12,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import xxhash
 
-from snapshot.cache import BlobCache, BlobLock
+from snapshot.cache import BadBlob, BlobCache, BlobLock
 from snapshot.errors import CorruptBlob, StoreError, TransferInterrupted
 from snapshot.files import CHUNK, fsync_dir, os_errors
 from snapshot.format import FormatError, Manifest, blob_id, is_id
 from snapshot.progress import Progress, as_progress
+from snapshot.retry import BACKOFF_SECONDS, RETRIES  # per part, for connections dropped while the body streams
 from snapshot.store import Store, check_id
 
 log = logging.getLogger("warmstart.snapshot")
@@ -32,8 +33,7 @@ log = logging.getLogger("warmstart.snapshot")
 DEFAULT_CONCURRENCY = 8
 DEFAULT_PART_SIZE = 16 << 20
 PUSH_CONCURRENCY = 4
-RETRIES = 5  # per part, for connections dropped while the body streams (botocore retries whole requests)
-BACKOFF_SECONDS = 0.2
+PUSH_RECHECKS = 3  # times a push uploads again blobs that vanished before its manifest was written
 
 
 # Pull ----------------------------------------------------------------------------------------------------
@@ -45,6 +45,7 @@ class PullStats:
     blobs_downloaded: int
     bytes_downloaded: int
     seconds: float
+    blobs_replaced: int = 0  # cached blobs found damaged, removed and downloaded again
 
 
 class _Download:
@@ -142,7 +143,7 @@ class _Puller:
             lock = self.cache.blob_lock(blob)
             if not lock.acquire(blocking=False):
                 theirs.append(blob)
-            elif self.cache.has(blob):  # finished by another process since we looked
+            elif self.cache.has(blob, size):  # finished by another process since we looked
                 lock.release()
                 self.progress.forget(size)
             else:
@@ -153,7 +154,7 @@ class _Puller:
         for blob in sorted(theirs):
             lock = self.cache.blob_lock(blob)
             lock.acquire(blocking=True)
-            if self.cache.has(blob):
+            if self.cache.has(blob, sizes[blob]):
                 lock.release()
                 self.progress.forget(sizes[blob])
             else:
@@ -223,11 +224,14 @@ class _Puller:
 
 def pull_blobs(store: Store, cache: BlobCache, sizes: dict[str, int], *, concurrency: int = DEFAULT_CONCURRENCY,
                part_size: int = DEFAULT_PART_SIZE, progress: bool | Progress | None = None,
-               snapshot: str | None = None) -> PullStats:
+               snapshot: str | None = None, verify_cached: bool = True) -> PullStats:
     """Bring the blobs of ``sizes`` ({id: size}) into the cache with parallel ranged GETs over parts of all
     blobs at once, each verified against its id before it is renamed into place. Safe when several processes
     pull at once: a per-blob lock makes each blob download once; the others wait for it. ``snapshot`` only
-    names the snapshot in errors."""
+    names the snapshot in errors.
+
+    Blobs already cached are checked first: their size always, their hash too with ``verify_cached``. A damaged
+    one is removed and downloaded again."""
     if concurrency < 1 or part_size < 1:
         raise ValueError("concurrency and part_size must be positive")
     of = f"snapshot {snapshot}" if snapshot else "the blob list"
@@ -235,7 +239,8 @@ def pull_blobs(store: Store, cache: BlobCache, sizes: dict[str, int], *, concurr
         if not isinstance(blob, str) or not is_id(blob) or not isinstance(size, int) or size < 0:
             raise StoreError(f"{of} lists an invalid blob ({str(blob)[:80]!r}: {str(size)[:20]}); rebuild it")
     started = time.monotonic()
-    missing = {blob: size for blob, size in sorted(sizes.items()) if not cache.has(blob)}
+    replaced = discard_damaged(cache, sizes, verify_hash=verify_cached, concurrency=concurrency, snapshot=snapshot)
+    missing = {blob: size for blob, size in sorted(sizes.items()) if not cache.has(blob, size)}
     reporter = as_progress(progress, "pull")
     reporter.start(sum(missing.values()), len(missing))
     puller = _Puller(store, cache, concurrency, part_size, reporter, snapshot)
@@ -245,17 +250,42 @@ def pull_blobs(store: Store, cache: BlobCache, sizes: dict[str, int], *, concurr
         reporter.close()
     with suppress(OSError):
         fsync_dir(cache.root / "blobs")
-    return PullStats(len(sizes), puller.blobs, puller.bytes, time.monotonic() - started)
+    return PullStats(len(sizes), puller.blobs, puller.bytes, time.monotonic() - started, len(replaced))
+
+
+def discard_damaged(cache: BlobCache, sizes: Mapping[str, int | None], *, verify_hash: bool,
+                    concurrency: int = DEFAULT_CONCURRENCY, snapshot: str | None = None,
+                    progress: Progress | None = None) -> list[BadBlob]:
+    """Check the cached blobs among ``sizes`` (their size where it is known; their hash with ``verify_hash``) and
+    remove the damaged ones, so that a pull fetches them again. Returns those found damaged."""
+    def check(item: tuple[str, int | None]) -> BadBlob | None:
+        bad = cache.find_bad(item[0], item[1], verify_hash=verify_hash)
+        if progress is not None:
+            progress.advance(item[1] or 0)
+            progress.blob_done()
+        return bad
+
+    if verify_hash:  # reads every byte: in parallel (file reads and xxh3 release the GIL)
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="verify") as pool:
+            found = list(pool.map(check, sizes.items()))
+    else:  # a stat each: threads would cost more than they save
+        found = [check(item) for item in sizes.items()]
+    bad = [b for b in found if b is not None]
+    of = f" of snapshot {snapshot}" if snapshot else ""
+    for b in bad:
+        log.warning("cached blob %s%s is damaged (%s); downloading it again", b.blob, of, b.problem)
+        cache.discard(b)
+    return bad
 
 
 def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurrency: int = DEFAULT_CONCURRENCY,
                   part_size: int = DEFAULT_PART_SIZE, progress: bool | Progress | None = None,
-                  rank: int | None = None,
-                  check: Callable[[Manifest], None] | None = None) -> tuple[bytes, PullStats]:
+                  rank: int | None = None, check: Callable[[Manifest], None] | None = None,
+                  verify_cached: bool = True) -> tuple[bytes, PullStats]:
     """Fetch the snapshot's manifest and every blob it lists into the cache; returns the manifest bytes.
     The manifest is cached last, so a cached manifest means its blobs are all in the cache. With ``rank``, only
     that tensor-parallel rank's blobs are fetched, and the manifest is not cached. ``check`` may refuse the
-    manifest (by raising) before any blob is fetched."""
+    manifest (by raising) before any blob is fetched. Cached blobs are checked as ``pull_blobs`` says."""
     raw = cache.get_manifest(snapshot_id) or store.get_manifest(snapshot_id)
     manifest = Manifest.decode(raw, where=f"snapshot {snapshot_id} in {store.uri}")
     if check is not None:
@@ -265,7 +295,7 @@ def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurren
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"snapshot {snapshot_id} in {store.uri} has no valid blob list; rebuild it") from None
     stats = pull_blobs(store, cache, sizes, concurrency=concurrency, part_size=part_size, progress=progress,
-                       snapshot=snapshot_id)
+                       snapshot=snapshot_id, verify_cached=verify_cached)
     if rank is None or manifest.tensor_parallel == 1:
         cache.add_manifest(snapshot_id, raw)
     return raw, stats
@@ -278,44 +308,67 @@ class PushStats:
     blobs_total: int
     blobs_uploaded: int
     bytes_uploaded: int
+    blobs_replaced: int = 0  # uploaded over a damaged copy in the store (wrong size or checksum)
+    blobs_refreshed: int = 0  # already whole in the store: their age made now, not uploaded
+
+    def __add__(self, other: PushStats) -> PushStats:
+        return PushStats(self.blobs_total, self.blobs_uploaded + other.blobs_uploaded,
+                         self.bytes_uploaded + other.bytes_uploaded, self.blobs_replaced + other.blobs_replaced,
+                         self.blobs_refreshed)
 
 
 def push_blobs(store: Store, paths: dict[str, Path], *, concurrency: int = PUSH_CONCURRENCY,
                progress: bool | Progress | None = None) -> PushStats:
-    """Upload the blobs ({id: file}) that the store lacks; each file is checked against its id first."""
+    """Upload the blobs ({id: file}) that the store lacks or holds damaged (wrong size or checksum), each file
+    checked against its id first. The blobs it holds whole are refreshed instead (their age made now), so that
+    a gc running meanwhile keeps them through its grace period even if a crashed push left them long ago."""
     if concurrency < 1:
         raise ValueError("concurrency must be positive")
     for blob, path in paths.items():
         check_id(blob)
         if not Path(path).is_file():
             raise StoreError(f"blob file {path} is missing; rebuild the snapshot")
+    sizes = {blob: Path(path).stat().st_size for blob, path in sorted(paths.items())}
     with ThreadPoolExecutor(concurrency, thread_name_prefix="push") as pool:
-        present = dict(zip(paths, pool.map(store.has_blob, paths), strict=True))
-        missing = {blob: Path(path) for blob, path in sorted(paths.items()) if not present[blob]}
-        sizes = {blob: path.stat().st_size for blob, path in missing.items()}
-        reporter = as_progress(progress, "push")
-        reporter.start(sum(sizes.values()), len(missing))
+        stored = dict(zip(sizes, pool.map(lambda b: store.blob_matches(b, sizes[b]), sizes), strict=True))
+        whole = [b for b in sizes if stored[b]]
+        refreshed = dict(zip(whole, pool.map(store.refresh_blob, whole), strict=True))
+        upload = [b for b in sizes if not refreshed.get(b)]
+        for blob in upload:
+            if stored[blob] is False:
+                log.warning("blob %s in %s is damaged (its size or checksum does not match); uploading it again",
+                            blob, store.uri)
+        _upload(pool, store, {b: Path(paths[b]) for b in upload}, sizes, progress)
+    return PushStats(len(paths), len(upload), sum(sizes[b] for b in upload),
+                     blobs_replaced=sum(stored[b] is False for b in upload), blobs_refreshed=len(sizes) - len(upload))
 
-        def upload(blob: str) -> None:
-            store.put_blob(blob, missing[blob], on_bytes=reporter.advance)
-            reporter.blob_done()
 
-        try:
-            futures = [pool.submit(upload, blob) for blob in missing]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                f.cancel()
-            for f in done:
-                f.result()
-        finally:
-            reporter.close()
-    return PushStats(len(paths), len(missing), sum(sizes.values()))
+def _upload(pool: ThreadPoolExecutor, store: Store, paths: dict[str, Path], sizes: dict[str, int],
+            progress: bool | Progress | None) -> None:
+    reporter = as_progress(progress, "push")
+    reporter.start(sum(sizes[b] for b in paths), len(paths))
+
+    def upload(blob: str) -> None:
+        store.put_blob(blob, paths[blob], on_bytes=reporter.advance)
+        reporter.blob_done()
+
+    try:
+        futures = [pool.submit(upload, blob) for blob in paths]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()
+        for f in done:
+            f.result()
+    finally:
+        reporter.close()
 
 
 def push_snapshot(store: Store, manifest_bytes: bytes, snapshot_id: str, paths: dict[str, Path], *,
                   concurrency: int = PUSH_CONCURRENCY, progress: bool | Progress | None = None) -> PushStats:
-    """Upload the snapshot's missing blobs, then its manifest. The manifest goes last, so a reader never sees
-    a snapshot with missing blobs; a push that dies midway leaves only unreferenced blobs, which gc removes."""
+    """Upload the snapshot's missing or damaged blobs, refresh the others, then write its manifest. The manifest
+    goes last, after a check that every blob is still there (a gc may have deleted one it judged old before the
+    refresh), so a reader never sees a snapshot with missing blobs; a push that dies midway leaves only
+    unreferenced blobs, which gc removes."""
     check_id(snapshot_id, "snapshot")
     if blob_id(manifest_bytes) != snapshot_id:
         raise CorruptBlob(f"the manifest given does not hash to snapshot {snapshot_id}; push the one the build wrote")
@@ -324,6 +377,24 @@ def push_snapshot(store: Store, manifest_bytes: bytes, snapshot_id: str, paths: 
     if absent:
         raise StoreError(f"snapshot {snapshot_id} needs {len(absent)} blob(s) that were not given, such as "
                          f"{absent[0]}; rebuild the snapshot")
-    stats = push_blobs(store, {blob: paths[blob] for blob in needed}, concurrency=concurrency, progress=progress)
-    store.put_manifest(snapshot_id, manifest_bytes)
-    return stats
+    mine = {blob: Path(paths[blob]) for blob in sorted(needed)}
+    stats = push_blobs(store, mine, concurrency=concurrency, progress=progress)
+    for _ in range(PUSH_RECHECKS):
+        gone = _gone(store, mine, concurrency)
+        if not gone:
+            store.put_manifest(snapshot_id, manifest_bytes)
+            return stats
+        log.warning("%d blob(s) of snapshot %s vanished from %s during the push (a gc?); uploading them again",
+                    len(gone), snapshot_id, store.uri)
+        stats += push_blobs(store, {b: mine[b] for b in gone}, concurrency=concurrency, progress=progress)
+    raise StoreError(f"blobs of snapshot {snapshot_id} keep vanishing from {store.uri} while it is pushed; is a "
+                     "`warmstart gc` with a --grace-seconds shorter than a push running? Push again when it is done")
+
+
+def _gone(store: Store, paths: dict[str, Path], concurrency: int) -> list[str]:
+    """The blobs that the store no longer holds with their size."""
+    def present(blob: str) -> bool:
+        return store.has_blob(blob, paths[blob].stat().st_size)
+
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="push") as pool:
+        return [b for b, ok in zip(paths, pool.map(present, paths), strict=True) if not ok]
