@@ -128,10 +128,11 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             tokenizer=engine.tokenizer,
             vocab_size=engine.config.vocab_size,
             max_model_len=engine.max_model_len,
-            kv_cache_tokens=engine.blocks.num_blocks * engine.blocks.block_size,
+            kv_cache_tokens=engine.blocks.num_usable_blocks * engine.blocks.block_size,
             prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
             adapters={name: a.num_tokens for name, a in engine.adapters.items()},
             select_adapter=engine.select_adapter if engine.adapter_selector is not None else None,
+            kv_room=engine.kv_room,
         )
         info = {
             "snapshot_id": report.snapshot_id,
