@@ -62,10 +62,12 @@ class ServedModel:
     tokenizer: Tokenizer | None
     vocab_size: int
     max_model_len: int
-    kv_cache_tokens: int  # what the whole KV pool holds; no single request may need more
+    kv_cache_tokens: int  # what the KV pool less its pinned blocks holds; no single request may need more
     prefixes: dict[str, Prefix] = field(default_factory=dict)
     adapters: dict[str, int] = field(default_factory=dict)  # name -> virtual tokens in front of the prompt
     select_adapter: Callable[[list[int]], str] | None = None  # the "auto" selector, when the snapshot has one
+    # (prompt ids, adapter) -> tokens that may follow them in the KV pool (the engine's kv_room); None: the above
+    kv_room: Callable[[list[int], str | None], int] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
     _max_text: int | None = field(default=None, init=False, repr=False)
@@ -432,7 +434,8 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
     max_tokens = b.integer(name, None, 1)
     if max_tokens is None:
         # OpenAI's completions default is 16; chat runs until the context (or the KV pool) is full.
-        fits = min(model.max_model_len, model.kv_cache_tokens) - virtual - len(ids)
+        fits = (model.kv_room(ids, adapter) if model.kv_room is not None
+                else min(model.max_model_len, model.kv_cache_tokens) - virtual - len(ids))
         max_tokens = min(16, room) if not chat else max(1, min(room, fits))
     elif max_tokens > room:
         raise bad(f"the prompt is {len(ids)} tokens{behind} and {name} is {max_tokens}, "
@@ -475,5 +478,9 @@ def _stop(b: Body) -> list[str]:
 
 
 def _stop_token_ids(b: Body, vocab_size: int) -> list[int]:
+    from runtime.sampling_params import MAX_STOP_TOKEN_IDS
+
     ids = b.get("stop_token_ids", (list,), "an array of token ids")
+    if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:  # before checking each id, which costs per id
+        raise bad(f"stop_token_ids holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are supported", "stop_token_ids")
     return [] if ids is None else _token_ids(ids, vocab_size, "stop_token_ids")

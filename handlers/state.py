@@ -141,6 +141,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
             adapters={name: a.num_tokens for name, a in engine.adapters.items()},
             select_adapter=engine.select_adapter if summary["adapter_selector"] else None,
+            kv_room=engine.kv_room,
         )
         info = {
             "snapshot_id": report.snapshot_id,

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# vLLM sets no count limit (it keeps the ids as a set and checks them against the vocabulary); real requests
+# send a handful (a model's end-of-turn tokens). 4096 is far above any real use, while checking and hashing
+# that many ids costs well under a millisecond per request.
+MAX_STOP_TOKEN_IDS = 4096
+
 
 @dataclass
 class SamplingParams:
@@ -57,5 +62,9 @@ class SamplingParams:
             fail("speculative", f"must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must hold non-empty strings")
+        if not isinstance(self.stop_token_ids, list | tuple | set | frozenset):
+            fail("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are supported")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must hold non-negative integers")

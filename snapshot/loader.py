@@ -153,9 +153,10 @@ def engine_from_manifest(
 
         if options.speculative is not None:
             raise SnapshotError("speculative decoding does not combine with tensor parallelism yet")
-        engine = rank_engine(config, weights, tokenizer, options, group)
+        engine = rank_engine(config, weights, tokenizer, options, group, pinned_blocks=_pinned_blocks(m, options))
     else:
-        engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft)
+        engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft,
+                                        pinned_blocks=_pinned_blocks(m, options))
     draft_kv = m["draft"]["prefix_kv"] if draft is not None else [None] * len(m["prefixes"])
     for p, d in zip(m["prefixes"], draft_kv, strict=True):
         if p["blob"] is not None:
@@ -171,6 +172,14 @@ def engine_from_manifest(
         centroids = tensor_view(mapped[selector["blob"]], selector)
         engine.set_adapter_selector(AdapterSelector(list(selector["names"]), centroids))
     return engine
+
+
+def _pinned_blocks(m: dict[str, Any], options: EngineOptions) -> int:
+    """KV blocks the snapshot's prefixes and adapters will hold for good (see LLMEngine.load_prefix and
+    load_adapter), so that a pool sized from memory gets them on top of what requests need."""
+    prefixes = sum(len(p["block_hashes"]) for p in m["prefixes"] if p["blob"] is not None)
+    adapters = sum(-(-a["num_virtual_tokens"] // options.block_size) for a in m.get("adapters", []))
+    return (prefixes if options.enable_prefix_caching else 0) + adapters
 
 
 def map_blob(path: Path) -> torch.Tensor:

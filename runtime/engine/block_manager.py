@@ -43,6 +43,7 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.block_parent: list[int] = [NO_PARENT] * num_blocks  # hash of the block before it in its chain
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.pinned: set[int] = set()  # held for good (snapshot prefixes, adapters): never free, never evicted
         self.cached: dict[int, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next step
         self.prefix_queries = 0  # prompt tokens looked up
@@ -55,6 +56,17 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can ever hold (with every other request gone): the pool less the pinned ones."""
+        return self.num_blocks - len(self.pinned)
+
+    def pinned_prefix_blocks(self, token_ids: Seq[int]) -> int:
+        """How many leading blocks of ``token_ids`` a request is always served from pinned blocks (which are
+        never evicted, so the hit is certain at every admission): blocks it never needs from the free pool."""
+        blocks, _ = self.find_cached_prefix(token_ids)
+        return next((i for i, block in enumerate(blocks) if block not in self.pinned), len(blocks))
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -171,11 +183,16 @@ class BlockManager:
     def pin(self, block: int) -> None:
         """Hold a block for good (snapshot prefixes): it is never freed or evicted."""
         self._take(block)
+        self.pinned.add(block)
+
+    def take_pinned(self, count: int) -> list[int]:
+        """Take ``count`` free blocks for good (KV filled from outside: snapshot prefixes, adapters)."""
+        blocks = self.take_free(count)
+        self.pinned.update(blocks)
+        return blocks
 
     def take_free(self, count: int) -> list[int]:
-        """Take ``count`` free blocks (oldest first, evicting what they cached) with one reference each.
-
-        KV filled from outside (a snapshot's prefixes) takes its blocks here and never releases them."""
+        """Take ``count`` free blocks (oldest first, evicting what they cached) with one reference each."""
         if count > len(self.free):
             raise ValueError(f"{count} blocks asked for, {len(self.free)} free")
         taken = []

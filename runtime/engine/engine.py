@@ -70,11 +70,18 @@ class EngineOptions:
 
 class LLMEngine:
     def __init__(
-        self, model: Model, tokenizer: Tokenizer | None, options: EngineOptions, draft: Model | None = None,
+        self,
+        model: Model,
+        tokenizer: Tokenizer | None,
+        options: EngineOptions,
+        draft: Model | None = None,
         before_step: Callable[[StepInputs], None] | None = None,
+        pinned_blocks: int = 0,
     ) -> None:
         """``before_step``: called with each step's inputs before it runs (rank 0 of a tensor-parallel group
-        sends them to the other ranks)."""
+        sends them to the other ranks). ``pinned_blocks``: how many blocks the caller will pin (load_prefix,
+        load_adapter); a pool sized from memory gets them on top of what ``max_num_seqs`` full-length sequences
+        need."""
         options.validate()
         c = model.config
         self.draft = draft
@@ -84,7 +91,8 @@ class LLMEngine:
         self.options = options
         self.tokenizer = tokenizer
         self.max_model_len = options.context_length(c)
-        num_blocks = options.num_kv_blocks or self._blocks_from_memory()
+        num_blocks = options.num_kv_blocks or self._blocks_from_memory(pinned_blocks)
+        check_pool_holds_pinned(num_blocks, pinned_blocks, options, self.max_model_len)
         self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step)
         self.proposer: Proposer | None = None
@@ -138,10 +146,11 @@ class LLMEngine:
         reduce: Collective | None = None,
         gather_logits: Collective | None = None,
         before_step: Callable[[StepInputs], None] | None = None,
+        pinned_blocks: int = 0,
     ) -> LLMEngine:
         """From weights already in the engine's layout (a snapshot's mapped tensors), and a draft model's.
         ``reduce``, ``gather_logits`` and ``before_step`` join a tensor-parallel group (see runtime.models.model
-        and runtime/engine/tensor_parallel.py)."""
+        and runtime/engine/tensor_parallel.py); ``pinned_blocks`` as for the constructor."""
         options.validate()
         max_len = options.context_length(config)
         draft_model = None
@@ -149,7 +158,7 @@ class LLMEngine:
             check_draft_compatible(config, draft[0])
             draft_model = Model(draft[0], draft[1], max_len)
         model = Model(config, weights, max_len, reduce, gather_logits)
-        engine = cls(model, tokenizer, options, draft_model, before_step)
+        engine = cls(model, tokenizer, options, draft_model, before_step, pinned_blocks)
         if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
             engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
@@ -192,21 +201,47 @@ class LLMEngine:
                 f"prompt is {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
                 "(shorten the prompt or raise max_model_len)"
             )
-        # With a sliding window a sequence never holds more than the window's blocks plus the one written.
-        window = self.config.uniform_window
-        needed = min(len(token_ids) + params.max_tokens, self.max_model_len, window + 1 if window else 1 << 62)
-        if -(-needed // self.blocks.block_size) + (1 if window else 0) > self.blocks.num_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens need {needed} tokens of KV cache but the pool holds "
-                f"{self.blocks.num_blocks * self.blocks.block_size} (lower max_tokens or raise num_kv_blocks)"
-            )
+        self._check_fits_pool(token_ids, params.max_tokens)
         seq = Sequence(request_id, list(token_ids), len(token_ids), params)
+        seq.stop_token_ids = frozenset(params.stop_token_ids)
         if prefix is not None:
             seq.adapter, seq.num_virtual_tokens = prefix.name, prefix.num_tokens
             seq.virtual_tail_block = prefix.tail_block
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         return seq
+
+    def kv_room(self, token_ids: list[int], adapter: str | None = None) -> int:
+        """How many tokens may follow a prompt in the KV pool with every other request gone: admission's bound
+        on max_tokens, before the context's. ``adapter`` as for add_request (its virtual tokens lead the prompt).
+        Safe to call from another thread than the step loop's: what it reads of the pool, the pinned blocks,
+        never changes once they are loaded."""
+        prefix = self.resolve_adapter(adapter, token_ids)
+        return self._kv_room(token_ids if prefix is None else prefix.token_ids + token_ids)
+
+    def _kv_room(self, token_ids: list[int]) -> int:
+        bs, usable = self.blocks.block_size, self.blocks.num_usable_blocks
+        window = self.config.uniform_window
+        if window and -(-(window + 1) // bs) + 1 <= usable:
+            return self.max_model_len  # a sequence never holds more than the window's blocks plus the one written
+        # The blocks of a pinned prefix the prompt starts with are shared: never taken from the free pool.
+        return (usable + self.blocks.pinned_prefix_blocks(token_ids)) * bs - len(token_ids)
+
+    def _check_fits_pool(self, token_ids: list[int], max_tokens: int) -> None:
+        """Refuse a request that could never be scheduled: one needing more blocks than can ever be free for
+        it, even with every other request gone. Accepted, it would wait forever and hold up the queue."""
+        room = self._kv_room(token_ids)
+        if min(len(token_ids) + max_tokens, self.max_model_len) - len(token_ids) <= room:
+            return
+        usable, num_blocks = self.blocks.num_usable_blocks, self.blocks.num_blocks
+        pinned = num_blocks - usable
+        held = f", {pinned} of them pinned by snapshot prefixes and adapters" if pinned else ""
+        advice = f"lower max_tokens to at most {room}" if room >= 1 else "shorten the prompt"
+        raise ValueError(
+            f"the prompt is {len(token_ids)} tokens and max_tokens {max_tokens}, but at most {room} tokens can follow "
+            f"this prompt in the KV pool: {usable} of its {num_blocks} blocks of {self.blocks.block_size} tokens can "
+            f"ever be free for one request{held}; {advice}, or raise num_kv_blocks (serve --num-kv-blocks)"
+        )
 
     def resolve_adapter(self, name: str | None, token_ids: list[int]) -> VirtualPrefix | None:
         """The adapter a request names ("auto": the selector's choice for its tokens), or None for none."""
@@ -285,7 +320,7 @@ class LLMEngine:
             raise ValueError("prefix block hashes do not match its token ids")
         if not self.options.enable_prefix_caching or not hashes:
             return
-        blocks = self.blocks.take_free(len(hashes))
+        blocks = self._take_pinned(len(hashes), f"a prefix of {len(token_ids)} tokens")
         self.runner.fill_blocks(blocks, kv)
         if draft_kv is not None and isinstance(self.proposer, DraftProposer):
             self.proposer.loaded(blocks, hashes, draft_kv)
@@ -298,6 +333,20 @@ class LLMEngine:
         for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             self.blocks.register(block, block_hash, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
             parent = block_hash
+
+    def _take_pinned(self, count: int, what: str) -> list[int]:
+        free = self.blocks.num_free_blocks
+        if count > free:
+            pinned = self.blocks.num_blocks - self.blocks.num_usable_blocks
+            raise ValueError(
+                f"{what} needs {count} KV blocks pinned, but only {free} of the pool's {self.blocks.num_blocks} are "
+                f"free ({pinned} already pinned): raise num_kv_blocks (serve --num-kv-blocks) to at least "
+                f"{pinned + count + self._blocks_per_sequence()}, or leave it unset to size the pool from memory"
+            )
+        return self.blocks.take_pinned(count)
+
+    def _blocks_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.blocks.block_size)
 
     def virtual_tokens_kv(self, embeds: torch.Tensor) -> torch.Tensor:
         """KV of soft-prompt embeddings [n, hidden] at positions 0..n-1, in the pool's block layout (the last
@@ -320,7 +369,7 @@ class LLMEngine:
         if name in self.adapters or name == "auto":
             raise ValueError(f"adapter name {name!r} is already taken")
         token_ids = virtual_token_ids(name, num_tokens)
-        blocks = self.blocks.take_free(num_blocks)
+        blocks = self._take_pinned(num_blocks, f"adapter {name!r}")
         self.runner.fill_blocks(blocks, kv)
         hashes = block_hashes(token_ids, bs)  # full blocks only: a partial tail block is copied, never shared
         self._register_chain(blocks[: len(hashes)], hashes, token_ids)
@@ -421,7 +470,7 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if token in seq.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -453,7 +502,7 @@ class LLMEngine:
         """What this engine was started with and holds, for readers (the server's info and /v1/models)."""
         o = self.options
         return {"dtype": o.dtype, "block_size": self.blocks.block_size, "num_kv_blocks": self.blocks.num_blocks,
-                "kv_cache_tokens": self.blocks.num_blocks * self.blocks.block_size,
+                "kv_cache_tokens": self.blocks.num_usable_blocks * self.blocks.block_size,
                 "max_num_seqs": o.max_num_seqs, "max_num_batched_tokens": o.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "speculative": o.speculative,
                 "num_speculative_tokens": o.num_speculative_tokens, "adapters": sorted(self.adapters),
@@ -479,21 +528,41 @@ class LLMEngine:
             spec_num_emitted_tokens=self.spec.num_emitted_tokens,
         )
 
-    def _blocks_from_memory(self) -> int:
+    def _blocks_from_memory(self, pinned_blocks: int) -> int:
         return kv_blocks_for_memory(self.config, self.options, self.max_model_len,
-                                    self.draft.config if self.draft is not None else None)
+                                    self.draft.config if self.draft is not None else None, pinned_blocks)
 
 
-def kv_blocks_for_memory(c: ModelConfig, o: EngineOptions, max_model_len: int, draft: ModelConfig | None = None) -> int:
+def kv_blocks_for_memory(
+    c: ModelConfig, o: EngineOptions, max_model_len: int, draft: ModelConfig | None = None, pinned_blocks: int = 0
+) -> int:
     """How many KV blocks the pool gets when ``num_kv_blocks`` is not given: a fraction of free memory, and
-    never more than ``max_num_seqs`` full-length sequences could use."""
+    never more than ``max_num_seqs`` full-length sequences could use beside the ``pinned_blocks``."""
     elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
     block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
     if draft is not None:  # a block id holds KV in the draft's pool too
         block_bytes += 2 * draft.num_layers * o.block_size * draft.num_kv_heads * draft.head_dim * elem
     budget = int(_available_memory() * o.kv_cache_memory_fraction)
-    useful = o.max_num_seqs * -(-max_model_len // o.block_size)  # more could never be used at once
+    useful = o.max_num_seqs * -(-max_model_len // o.block_size) + pinned_blocks  # more could never be used
     return max(1, min(budget // block_bytes, useful))
+
+
+def check_pool_holds_pinned(num_blocks: int, pinned_blocks: int, o: EngineOptions, max_model_len: int) -> None:
+    """Refuse, saying what to change, a pool that the pinned blocks would leave no room in for a request."""
+    if num_blocks > pinned_blocks:
+        return
+    per_sequence = -(-max_model_len // o.block_size)
+    if o.num_kv_blocks is None:
+        fix = (f"free memory or raise kv_cache_memory_fraction (now {o.kv_cache_memory_fraction}), or set "
+               f"num_kv_blocks (serve --num-kv-blocks) to {pinned_blocks + per_sequence}")
+        pool = f"the pool sized from available memory has {num_blocks} blocks"
+    else:
+        fix = (f"raise num_kv_blocks (serve --num-kv-blocks) to at least {pinned_blocks + per_sequence} "
+               f"({pinned_blocks} pinned plus {per_sequence} for one {max_model_len}-token sequence), or leave it "
+               "unset to size the pool from memory")
+        pool = f"num_kv_blocks is {num_blocks}"
+    raise ValueError(f"snapshot prefixes and adapters pin {pinned_blocks} KV blocks and {pool}, which leaves no room "
+                     f"for a request: {fix}")
 
 
 def check_draft_compatible(target: ModelConfig, draft: ModelConfig) -> None:

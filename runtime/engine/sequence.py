@@ -41,6 +41,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     status: Status = Status.WAITING
+    # params.stop_token_ids as a set, fixed at admission: checked for every generated token.
+    stop_token_ids: frozenset[int] = frozenset()
     num_computed_tokens: int = 0
     # Block ids in position order; NO_BLOCK where a sliding window let the block go.
     block_table: list[int] = field(default_factory=list)

@@ -249,18 +249,19 @@ class TensorParallelGroup:
 
 
 def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer | None, options: EngineOptions,
-                group: TensorParallelGroup, split_head: bool = True) -> LLMEngine:
+                group: TensorParallelGroup, split_head: bool = True, pinned_blocks: int = 0) -> LLMEngine:
     """This rank's engine over its ``shard`` of the model ``config`` describes. Every rank gets the same number
     of KV blocks (the fewest any rank's memory allows), so that rank 0's block ids mean the same everywhere.
     Rank 0's runner sends each step to the followers; the caller runs ``follow`` on the others.
 
     ``split_head``: each rank computes the logits of its slice of the vocabulary (when it divides by the rank
-    count), rank 0 gathers them; otherwise rank 0 computes them all."""
+    count), rank 0 gathers them; otherwise rank 0 computes them all. ``pinned_blocks``: see LLMEngine."""
     options.validate()
     local = shard_config(config, group.world)
     if options.num_kv_blocks is None:
         max_len = options.context_length(local)
-        options = replace(options, num_kv_blocks=group.min_int(kv_blocks_for_memory(local, options, max_len)))
+        options = replace(options, num_kv_blocks=group.min_int(kv_blocks_for_memory(local, options, max_len,
+                                                                                        pinned_blocks=pinned_blocks)))
     split_head = split_head and config.vocab_size % group.world == 0 and isinstance(shard.lm_head, torch.Tensor)
     if split_head:
         rows = config.vocab_size // group.world
@@ -270,7 +271,7 @@ def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer |
     return LLMEngine.from_weights(
         local, shard, tokenizer, options, reduce=group.all_reduce,
         gather_logits=group.gather_logits if split_head else None,
-        before_step=group.send_step if group.is_leader else None,
+        before_step=group.send_step if group.is_leader else None, pinned_blocks=pinned_blocks,
     )  # fmt: skip
 
 

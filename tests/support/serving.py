@@ -39,9 +39,10 @@ class TinySnapshot:
     cached_tokens: dict[str, int]  # prefix name -> tokens a request starting with it finds in the cache
 
 
-def build_tiny_snapshot(model_dir: Path, root: Path) -> TinySnapshot:
-    (root / "system.txt").write_text(SYSTEM_TEXT)
-    (root / "doc.txt").write_text(DOC_TEXT)
+def build_tiny_snapshot(model_dir: Path, root: Path, system_text: str = SYSTEM_TEXT,
+                        doc_text: str = DOC_TEXT) -> TinySnapshot:
+    (root / "system.txt").write_text(system_text)
+    (root / "doc.txt").write_text(doc_text)
     prefixes = [PrefixSpec("assistant", root / "system.txt", "system"), PrefixSpec("doc", root / "doc.txt", "text")]
     cache = root / "cache"
     built = build_snapshot(model_dir, BuildOptions(dtype="float32", prefixes=prefixes), BlobCache(cache))
