@@ -25,20 +25,14 @@ from snapshot.store import LocalStore, Store
 from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
 from snapshot.verify import verify_cache, verify_snapshot
 from tests.snapshot.test_pull import Built
+from tests.support.aws import isolate_aws
 
 _buckets = itertools.count()
 
 
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_MAX_ATTEMPTS"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    isolate_aws(monkeypatch, tmp_path)
     monkeypatch.setattr(transfer_module, "BACKOFF_SECONDS", 0.001)
 
 
