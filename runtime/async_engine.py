@@ -106,9 +106,10 @@ class AsyncLLM:
         return future
 
     def _loop(self) -> None:
+        idle_work = True  # start-up work left for later (decode graphs), done while no request runs
         try:
             while True:
-                block = not self.engine.has_unfinished()
+                block = not self.engine.has_unfinished() and not idle_work
                 while True:
                     try:
                         item = self._commands.get(block=block)
@@ -125,6 +126,8 @@ class AsyncLLM:
                     block = False
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                elif idle_work:  # one piece at a time: a request that comes meanwhile waits for that piece only
+                    idle_work = self.engine.idle_work()
         except BaseException as e:
             self._stop(e)
             raise

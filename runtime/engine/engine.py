@@ -94,7 +94,7 @@ class LLMEngine:
         num_blocks = options.num_kv_blocks or self._blocks_from_memory(pinned_blocks)
         check_pool_holds_pinned(num_blocks, pinned_blocks, options, self.max_model_len)
         self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step)
+        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step, options.max_num_seqs)
         self.proposer: Proposer | None = None
         if options.speculative == "ngram":
             self.proposer = NgramProposer()
@@ -290,6 +290,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def idle_work(self) -> bool:
+        """Do one piece of start-up work left for when no request runs (a decode graph); False when none is left."""
+        return self.runner.capture_pending_graph()
 
     # -- precomputed prefixes (snapshots) -----------------------------------------------------------------
 

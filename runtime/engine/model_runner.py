@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from runtime.engine.cuda_graphs import (
+    CAPTURE_BUDGET_S,
+    DEFAULT_BATCH_SIZES,
+    DecodeGraphs,
+    GraphBackend,
+    batch_sizes_for,
+)
 from runtime.engine.rejection_sampler import verify
 from runtime.engine.sampler import Sampler
 from runtime.engine.scheduler import ScheduledBatch
@@ -53,7 +61,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self, model: Model, num_blocks: int, block_size: int, seed: int | None = None,
-        before_step: Callable[[StepInputs], None] | None = None,
+        before_step: Callable[[StepInputs], None] | None = None, max_batch: int = DEFAULT_BATCH_SIZES[-1],
     ) -> None:  # fmt: skip
         c = model.config
         self.model = model
@@ -72,13 +80,61 @@ class ModelRunner:
         # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
         self.before_step = before_step
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and model.ops.name == "triton" and os.environ.get(GRAPHS_ENV) != "0":
-            self.capture_decode_graphs()
+        # What this runner paid before it could serve, for the cold-start timeline: (phase, time.monotonic()
+        # when it ended, details).
+        self.startup: list[tuple[str, float, dict[str, Any]]] = []
+        # A tensor-parallel shard's forward is a collective: every rank would have to warm up and capture
+        # together, so its first steps compile and it runs without graphs.
+        if self.device.type == "cuda" and model.ops.name == "triton" and not model.sharded:
+            self.warm_up_kernels()
+            if os.environ.get(GRAPHS_ENV) != "0":
+                self.capture_decode_graphs(batch_sizes_for(max_batch), budget_s=CAPTURE_BUDGET_S)
 
-    def capture_decode_graphs(self, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES) -> None:
-        """On CUDA: replay decode-only steps of up to max(batch_sizes) sequences from captured graphs."""
+    def warm_up_kernels(self) -> None:
+        """Call every kernel of a prefill and a decode step once, so that what Triton compiles (or loads from
+        its carried cache) is paid before serving and shows in the timeline, not in the first request. The
+        block table is all -1: the KV writes skip negative slots and attention reads the zeroed block 0."""
+        from runtime.kernels import cached_kernels, carried_cache_dir
+
+        cache_dir = carried_cache_dir(self.device)
+        before = cached_kernels(cache_dir)
+        start = time.perf_counter()
+        self._zero_new_blocks(0)
+        table = [-1] * 2
+        with torch.inference_mode():
+            self.forward([Chunk(table, [0] * 5, 0, 1)])  # prefill
+            self.forward([Chunk(table, [0], 5, 1)])  # decode
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        details = {
+            "seconds": round(time.perf_counter() - start, 4),
+            "cache_dir": str(cache_dir),
+            "carried": before,  # compiled kernels found in the cache
+            "compiled": cached_kernels(cache_dir) - before,  # compiled here, not found
+        }
+        self.startup.append(("kernels", time.monotonic(), details))
+
+    def capture_decode_graphs(
+        self, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, budget_s: float | None = None,
+        backend: GraphBackend | None = None,
+    ) -> None:  # fmt: skip
+        """On CUDA: replay decode-only steps of up to max(batch_sizes) sequences from captured graphs. With
+        ``budget_s``, only the smallest sizes that fit it are captured now, the others when a batch first
+        needs them or the engine idles (see runtime/engine/cuda_graphs.py)."""
         self._zero_new_blocks(0)  # padding rows read block 0
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, batch_sizes, backend)
+        if budget_s is None:
+            self.graphs.capture_all()
+        else:
+            self.graphs.capture_within(budget_s)
+        seconds = sum(self.graphs.capture_seconds.values())
+        self.startup.append(("graphs", time.monotonic(), {
+            "seconds": round(seconds, 4), "batch_sizes": sorted(self.graphs.graphs), "deferred": self.graphs.pending[:],
+        }))  # fmt: skip
+
+    def capture_pending_graph(self) -> bool:
+        """Capture one decode graph left for later (the engine calls this when idle); False when none is left."""
+        return self.graphs is not None and self.graphs.capture_next()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:

@@ -115,7 +115,7 @@ def select_ops(
     # Imported here, not at the top: the CPU path never pays for importing triton (cold start).
     from runtime.kernels import use_carried_cache
 
-    use_carried_cache()
+    use_carried_cache(device)
     from runtime.kernels.ops import TritonOps
 
     return TritonOps()

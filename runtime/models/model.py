@@ -37,6 +37,7 @@ class Model:
         self.ops = select_ops(device, self.dtype, (config.num_heads // config.num_kv_heads, config.head_dim))
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
+        self.sharded = reduce is not None or gather_logits is not None  # one rank's part of the model
 
     def forward(
         self,

@@ -87,11 +87,14 @@ def test_first_call_timings_cover_every_kernel() -> None:
 
 
 def test_triton_cache_defaults_next_to_the_snapshot_cache(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from runtime.kernels import carried_cache_dir, use_carried_cache
+    import runtime.kernels
+    from runtime.kernels import cache_key, carried_cache_dir, use_carried_cache
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert use_carried_cache() == tmp_path / "warmstart" / "triton"
-    assert carried_cache_dir() == tmp_path / "warmstart" / "triton"
+    monkeypatch.setattr(runtime.kernels, "_carried_base", None)
+    cpu = torch.device("cpu")
+    assert use_carried_cache(cpu) == tmp_path / "warmstart" / "triton" / cache_key(cpu)
+    assert carried_cache_dir() == tmp_path / "warmstart" / "triton" / cache_key(cpu)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "image"))
     assert carried_cache_dir() == tmp_path / "image"
