@@ -1,8 +1,7 @@
 """Decode graphs without a GPU: which sizes are captured when (before serving within a budget, when a batch
 needs one, while the engine idles), and that a replayed batch computes what the eager step computes.
 
-The CUDA calls sit behind DecodeGraphs' backend; RerunBackend stands in on the CPU: its "replay" runs the
-recorded step again into the tensor the capture returned, as a graph's replay rewrites its static output. The
+The CUDA calls sit behind DecodeGraphs' backend; tests.support.graphs.RerunBackend stands in on the CPU. The
 engine tests run the Triton kernels under the interpreter (padding rows write to slot -1, which only the
 Triton KV write skips).
 """
@@ -22,27 +21,9 @@ import torch
 from runtime import AsyncLLM, EngineOptions, LLMEngine, SamplingParams
 from runtime.engine.cuda_graphs import DecodeGraphs, batch_sizes_for
 from runtime.models.model import Model
+from tests.support.graphs import RerunBackend
 
 ModelDir = Callable[[str], pathlib.Path]
-
-
-class RerunBackend:
-    def __init__(self, on_warm_up: Callable[[], None] | None = None) -> None:
-        self.replays = 0
-        self.on_warm_up = on_warm_up or (lambda: None)
-
-    def warm_up(self, step: Callable[[], torch.Tensor]) -> None:
-        self.on_warm_up()
-        step()
-
-    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
-        out = step()
-
-        def replay() -> None:
-            self.replays += 1
-            out.copy_(step())
-
-        return replay, out
 
 
 class TimedBackend(RerunBackend):

@@ -17,7 +17,8 @@ GPU = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test: the code under test sets it
+    monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(runtime.kernels, "_carried_base", None)
     monkeypatch.setattr(torch.version, "hip", None)

@@ -90,7 +90,8 @@ def test_triton_cache_defaults_next_to_the_snapshot_cache(monkeypatch, tmp_path)
     import runtime.kernels
     from runtime.kernels import cache_key, carried_cache_dir, use_carried_cache
 
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test: the code under test sets it
+    monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(runtime.kernels, "_carried_base", None)
     cpu = torch.device("cpu")
