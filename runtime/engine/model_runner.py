@@ -100,10 +100,11 @@ class ModelRunner:
         before = cached_kernels(cache_dir)
         start = time.perf_counter()
         self._zero_new_blocks(0)
-        table = [-1] * 2
+        prompt = 5
+        table = [-1] * -(-(prompt + 1) // self.block_size)
         with torch.inference_mode():
-            self.forward([Chunk(table, [0] * 5, 0, 1)])  # prefill
-            self.forward([Chunk(table, [0], 5, 1)])  # decode
+            self.forward([Chunk(table, [0] * prompt, 0, 1)])  # prefill
+            self.forward([Chunk(table, [0], prompt, 1)])  # decode
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         details = {

@@ -84,8 +84,8 @@ def triton_ops(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
 
 
-def engine(model_dir: pathlib.Path) -> LLMEngine:
-    return LLMEngine.from_hf(model_dir, EngineOptions(dtype="float32", block_size=8, num_kv_blocks=32))
+def engine(model_dir: pathlib.Path, block_size: int = 8) -> LLMEngine:
+    return LLMEngine.from_hf(model_dir, EngineOptions(dtype="float32", block_size=block_size, num_kv_blocks=32))
 
 
 def generate(e: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -134,8 +134,9 @@ def test_capture_after_serving_does_not_write_the_last_batch_kv(triton_ops: None
     assert all(torch.equal(a, b) for a, b in zip(pool, e.runner.kv_caches, strict=True))
 
 
-def test_kernel_warm_up_leaves_the_pool_alone(triton_ops: None, tiny_model_dir: ModelDir) -> None:
-    e = engine(tiny_model_dir("llama"))
+@pytest.mark.parametrize("block_size", [2, 8])  # its prompt spans blocks, or fits one
+def test_kernel_warm_up_leaves_the_pool_alone(triton_ops: None, tiny_model_dir: ModelDir, block_size: int) -> None:
+    e = engine(tiny_model_dir("llama"), block_size)
     e.runner._zero_new_blocks(31)
     for cache in e.runner.kv_caches:
         cache.fill_(0.5)
