@@ -24,6 +24,7 @@ PYTHON_VERSION = "3.11"  # of the images: the version the project is tested with
 TORCH_REQUIREMENT = "torch==2.13.0"  # the build the tests run against (Makefile's TORCH); CUDA wheels on Linux
 RUNPOD_REQUIREMENT = "runpod>=1.7"
 CLOUD_RUN_GPUS = ("nvidia-l4", "nvidia-rtx-pro-6000")
+DEVICE = "cuda"  # what the instances' `warmstart serve --device` is given
 SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the checkout, when run from one (else site-packages)
 NAME = re.compile(r"^[a-z]([-a-z0-9]{0,47}[a-z0-9])?$")  # DNS-1035 label, short enough for every platform
 
@@ -201,6 +202,9 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         "concurrency": args.concurrency,
         "port": PORT,
         "cache_dir": cache_dir,
+        # Every platform here runs on a GPU: `cuda` makes an instance without a usable one fail at start, saying
+        # so, rather than serve on its CPU (`auto` would); the images read it as WARMSTART_DEVICE.
+        "device": DEVICE,
         "cache_size": "16Gi",
         "cpu": 8,
         "memory": "32Gi",

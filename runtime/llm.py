@@ -31,7 +31,11 @@ class LLM:
         speculative: str | None = None,
         num_speculative_tokens: int = 4,
         draft_model: str | Path | None = None,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
     ) -> LLM:
+        """``device``: auto (CUDA when torch sees one, else the CPU), cpu, cuda or cuda:N; on CUDA the engine runs
+        the Triton kernels and sizes its KV pool from ``gpu_memory_utilization`` of the GPU's memory."""
         options = EngineOptions(
             dtype=dtype,
             block_size=block_size,
@@ -44,8 +48,9 @@ class LLM:
             prepack_weights=prepack_weights,
             speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
-        return cls(LLMEngine.from_hf(model_dir, options, draft_model))
+        return cls(LLMEngine.from_hf(model_dir, options, draft_model, device))
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]

@@ -89,5 +89,5 @@ def pooled_embedding(token_ids: list[int], embed: torch.Tensor) -> torch.Tensor:
     """The unit-length mean of the tokens' input embeddings, float32 [hidden]."""
     if not token_ids:
         raise ValueError("cannot choose an adapter for an empty prompt")
-    mean = embed.index_select(0, torch.tensor(token_ids)).float().mean(dim=0)
+    mean = embed.index_select(0, torch.tensor(token_ids, device=embed.device)).float().mean(dim=0).cpu()
     return mean / mean.norm().clamp_min(1e-12)

@@ -15,13 +15,15 @@ import torch
 
 from runtime.engine.adapters import AdapterSelector, VirtualPrefix, virtual_token_ids
 from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+from runtime.engine.device import cuda_memory, resolve_device
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.models.config import ModelConfig
 from runtime.models.model import Collective, Model
-from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background
+from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background, weights_to
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.quant.packed_linear import can_prepack
 from runtime.sampling_params import SamplingParams
@@ -41,7 +43,10 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_memory_fraction: float = 0.25  # of available memory, when sizing the pool
+    kv_cache_memory_fraction: float = 0.25  # of available memory, when sizing the pool on the CPU
+    # On CUDA: the fraction of the GPU's total memory this engine may use, weights and all (vLLM's meaning); the
+    # pool gets what is left of it after the weights and an activation reserve (see kv_blocks_for_memory).
+    gpu_memory_utilization: float = 0.9
     seed: int | None = None  # for requests without a seed of their own
     prepack_weights: bool = True  # bf16 on CPU: reorder linear weights once for oneDNN (see packed_linear)
     speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (a draft model); None: off
@@ -66,6 +71,8 @@ class EngineOptions:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:  # NaN too
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 class LLMEngine:
@@ -91,7 +98,7 @@ class LLMEngine:
         self.options = options
         self.tokenizer = tokenizer
         self.max_model_len = options.context_length(c)
-        num_blocks = options.num_kv_blocks or self._blocks_from_memory(pinned_blocks)
+        num_blocks = options.num_kv_blocks or self._blocks_from_memory(pinned_blocks, model.weights.embed.device)
         check_pool_holds_pinned(num_blocks, pinned_blocks, options, self.max_model_len)
         self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step, options.max_num_seqs)
@@ -121,17 +128,21 @@ class LLMEngine:
 
     @classmethod
     def from_hf(
-        cls, model_dir: str | Path, options: EngineOptions | None = None, draft_dir: str | Path | None = None
-    ) -> LLMEngine:
+        cls, model_dir: str | Path, options: EngineOptions | None = None, draft_dir: str | Path | None = None,
+        device: str | torch.device = "auto",
+    ) -> LLMEngine:  # fmt: skip
+        """``device``: auto, cpu, cuda or cuda:N (see runtime/engine/device.py); the checkpoint is read on the
+        host and each converted tensor moved there."""
         options = options or EngineOptions()
         options.validate()
+        where = resolve_device(device)
         config = ModelConfig.from_dir(model_dir)
-        weights = load_weights(model_dir, config, DTYPES[options.dtype])
+        weights = weights_to(load_weights(model_dir, config, DTYPES[options.dtype]), where)
         tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         draft = None
         if draft_dir is not None:
             draft_config = ModelConfig.from_dir(draft_dir)
-            draft = (draft_config, load_weights(draft_dir, draft_config, DTYPES[options.dtype]))
+            draft = (draft_config, weights_to(load_weights(draft_dir, draft_config, DTYPES[options.dtype]), where))
         return cls.from_weights(config, weights, tokenizer, options, draft)
 
     @classmethod
@@ -159,7 +170,7 @@ class LLMEngine:
             draft_model = Model(draft[0], draft[1], max_len)
         model = Model(config, weights, max_len, reduce, gather_logits)
         engine = cls(model, tokenizer, options, draft_model, before_step, pinned_blocks)
-        if options.prepack_weights and can_prepack(DTYPES[options.dtype]):
+        if options.prepack_weights and weights.embed.device.type == "cpu" and can_prepack(DTYPES[options.dtype]):
             engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
 
@@ -510,7 +521,8 @@ class LLMEngine:
                 "max_num_seqs": o.max_num_seqs, "max_num_batched_tokens": o.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "speculative": o.speculative,
                 "num_speculative_tokens": o.num_speculative_tokens, "adapters": sorted(self.adapters),
-                "adapter_selector": self.adapter_selector is not None}
+                "adapter_selector": self.adapter_selector is not None, "device": str(self.runner.device),
+                "ops": self.runner.model.ops.name}
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -532,23 +544,77 @@ class LLMEngine:
             spec_num_emitted_tokens=self.spec.num_emitted_tokens,
         )
 
-    def _blocks_from_memory(self, pinned_blocks: int) -> int:
+    def _blocks_from_memory(self, pinned_blocks: int, device: torch.device) -> int:
         return kv_blocks_for_memory(self.config, self.options, self.max_model_len,
-                                    self.draft.config if self.draft is not None else None, pinned_blocks)
+                                    self.draft.config if self.draft is not None else None, pinned_blocks, device)
+
+
+# Kept beside the pool on CUDA for what the estimate of activation_reserve leaves out: cuBLAS workspaces, the
+# caching allocator's rounding and fragmentation. An estimate, not a measurement: benchmarks/gpu_check.py
+# records what a GPU really has left.
+CUDA_WORKSPACE_BYTES = 256 << 20
 
 
 def kv_blocks_for_memory(
-    c: ModelConfig, o: EngineOptions, max_model_len: int, draft: ModelConfig | None = None, pinned_blocks: int = 0
-) -> int:
-    """How many KV blocks the pool gets when ``num_kv_blocks`` is not given: a fraction of free memory, and
-    never more than ``max_num_seqs`` full-length sequences could use beside the ``pinned_blocks``."""
+    c: ModelConfig, o: EngineOptions, max_model_len: int, draft: ModelConfig | None = None, pinned_blocks: int = 0,
+    device: torch.device | None = None,
+) -> int:  # fmt: skip
+    """How many KV blocks the pool gets when ``num_kv_blocks`` is not given, never more than ``max_num_seqs``
+    full-length sequences could use beside the ``pinned_blocks``. On the CPU: a fraction of available memory.
+    On CUDA (``device``, with the weights already on it): what ``gpu_memory_utilization`` of the GPU leaves after
+    the weights and the activation reserve; a pool that cannot hold one ``max_model_len`` sequence beside the
+    pinned blocks is refused, saying what to change."""
+    block_bytes = kv_block_bytes(c, o, draft)
+    useful = o.max_num_seqs * -(-max_model_len // o.block_size) + pinned_blocks  # more could never be used
+    if device is None or device.type != "cuda":
+        budget = int(_available_memory() * o.kv_cache_memory_fraction)
+        return max(1, min(budget // block_bytes, useful))
+    memory = cuda_memory(device, o.gpu_memory_utilization, activation_reserve(c, o))
+    blocks = memory.budget // block_bytes
+    check_pool_fits_a_sequence(blocks, block_bytes, pinned_blocks, o, max_model_len, f"on {device}: {memory.explain()}")
+    return min(blocks, useful)
+
+
+def kv_block_bytes(c: ModelConfig, o: EngineOptions, draft: ModelConfig | None = None) -> int:
     elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
     block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
     if draft is not None:  # a block id holds KV in the draft's pool too
         block_bytes += 2 * draft.num_layers * o.block_size * draft.num_kv_heads * draft.head_dim * elem
-    budget = int(_available_memory() * o.kv_cache_memory_fraction)
-    useful = o.max_num_seqs * -(-max_model_len // o.block_size) + pinned_blocks  # more could never be used
-    return max(1, min(budget // block_bytes, useful))
+    return block_bytes
+
+
+def activation_reserve(c: ModelConfig, o: EngineOptions) -> int:
+    """Bytes a step's activations may need at their peak on CUDA, kept out of the KV pool: one layer's
+    tensors for a full step of ``max_num_batched_tokens`` (the residual stream, the normed input, QKV, the
+    attention output, gate/up and its product), the logits of the rows a step samples (in the model's dtype
+    and in float32), the same for the largest captured decode graph, and CUDA_WORKSPACE_BYTES."""
+    elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
+    per_token = 3 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size
+    per_logits_row = c.vocab_size * (elem + 4)
+    proposals = o.num_speculative_tokens if o.speculative else 0
+    logits_rows = min(o.max_num_batched_tokens, o.max_num_seqs * (1 + proposals))
+    graph_rows = max(DEFAULT_BATCH_SIZES)
+    step = o.max_num_batched_tokens * per_token * elem + logits_rows * per_logits_row
+    graphs = graph_rows * (per_token * elem + per_logits_row)
+    return step + graphs + CUDA_WORKSPACE_BYTES
+
+
+def check_pool_fits_a_sequence(
+    blocks: int, block_bytes: int, pinned_blocks: int, o: EngineOptions, max_model_len: int, where: str
+) -> None:
+    """Refuse a pool sized from a GPU's memory that could not hold one full-length sequence beside the pinned
+    blocks: every request would be refused or wait forever, so the server must not start."""
+    per_sequence = -(-max_model_len // o.block_size)
+    if blocks >= pinned_blocks + per_sequence:
+        return
+    fits = max(0, blocks - pinned_blocks) * o.block_size
+    pinned = f" beside the {pinned_blocks} that snapshot prefixes and adapters pin" if pinned_blocks else ""
+    shorter = f", lower max_model_len (serve --max-model-len) to at most {fits}" if fits else ""
+    raise ValueError(
+        f"the KV pool would get {blocks} blocks of {o.block_size} tokens ({block_bytes / (1 << 20):.2f} MiB each) "
+        f"{where}; one {max_model_len}-token sequence needs {per_sequence} blocks{pinned}: raise "
+        f"gpu_memory_utilization (serve --gpu-memory-utilization){shorter}, or free GPU memory"
+    )
 
 
 def check_pool_holds_pinned(num_blocks: int, pinned_blocks: int, o: EngineOptions, max_model_len: int) -> None:

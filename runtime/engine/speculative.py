@@ -121,7 +121,7 @@ class DraftProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while active:
-            logits = self.runner.forward([c for i in active for c in chunks[i]])
+            logits = self.runner.forward([c for i in active for c in chunks[i]]).cpu()  # the sampler works on the host
             for row, i in enumerate(active):
                 seq = seqs[i]
                 token, q = self._sample(logits[row], seq)

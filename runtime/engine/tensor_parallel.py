@@ -260,8 +260,8 @@ def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer |
     local = shard_config(config, group.world)
     if options.num_kv_blocks is None:
         max_len = options.context_length(local)
-        options = replace(options, num_kv_blocks=group.min_int(kv_blocks_for_memory(local, options, max_len,
-                                                                                        pinned_blocks=pinned_blocks)))
+        blocks = kv_blocks_for_memory(local, options, max_len, pinned_blocks=pinned_blocks, device=shard.embed.device)
+        options = replace(options, num_kv_blocks=group.min_int(blocks))
     split_head = split_head and config.vocab_size % group.world == 0 and isinstance(shard.lm_head, torch.Tensor)
     if split_head:
         rows = config.vocab_size // group.world

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from runtime.layers.linear import LinearWeight
 from runtime.models.config import ModelConfig, ModelConfigError
+from runtime.quant.formats import from_tensors
 from runtime.quant.packed_linear import PackedWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,6 +173,23 @@ def convert_weights(
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
         raise ModelConfigError(f"{source}: unexpected tensors for {c.architecture}: {shown}")
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def weights_to(weights: ModelWeights, device: torch.device) -> ModelWeights:
+    """The same weights with every tensor on ``device`` (itself when it is already there). A quantized weight is
+    rebuilt from its moved tensors, in the layout it was stored in (which the Triton matmuls read)."""
+    if weights.embed.device == device:
+        return weights
+
+    def move(w: Any) -> Any:
+        if w is None or isinstance(w, torch.Tensor):
+            return w if w is None else w.to(device)
+        return from_tensors(w.meta(), {name: t.to(device) for name, t in w.tensors().items()})
+
+    layers = [LayerWeights(**{name: move(w) for name, w in vars(layer).items()}) for layer in weights.layers]
+    embed = weights.embed.to(device)
+    lm_head = embed if weights.lm_head is weights.embed else move(weights.lm_head)
+    return ModelWeights(embed=embed, layers=layers, norm=weights.norm.to(device), lm_head=lm_head)
 
 
 def prepack_in_background(*models: ModelWeights) -> threading.Thread:

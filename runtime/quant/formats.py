@@ -250,6 +250,8 @@ class Int4Weight(QuantizedWeight):
         if layout not in INT4_LAYOUTS:
             raise ValueError(f"unknown int4 layout {layout!r}; known: {', '.join(INT4_LAYOUTS)}")
         _expect(meta, tensors, {"packed": ((n, k // 2), torch.uint8), "scales_zeros": ((k // gs, n, 2), None)})
+        if tensors["packed"].device.type != "cpu":  # the Triton matmul reads every layout as it was stored
+            return cls(tensors["packed"], tensors["scales_zeros"], gs, layout)
         packed, local = tensors["packed"], _local_int4_layout()
         if layout != local:  # packed on a CPU of another kind: repack once (a copy) for this one's kernel
             codes = _int4_codes_t(packed, n, k, layout).t().to(torch.int32)

@@ -287,7 +287,9 @@ def test_dockerfiles_pass_hadolint(rendered: dict[str, Path]) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for path in (docker, runpod):
         final = path.read_text().split("\nFROM ")[-1]  # the last stage: what the image ships
-        assert "USER 10001" in final and "gcc" not in final and "build-essential" not in final
+        assert "USER 10001" in final and "build-essential" not in final and "make" not in final.split()
+        # Triton compiles its CUDA launcher with the system C compiler the first time a kernel runs on a GPU.
+        assert "install -y --no-install-recommends gcc libc6-dev" in final
     assert "HEALTHCHECK" in docker.read_text() and "/health" in docker.read_text()
 
 
@@ -337,14 +339,15 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("modal_app", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-print(json.dumps({"app": module.app.name, "classes": sorted(module.app.registered_classes)}))
+print(json.dumps({"app": module.app.name, "classes": sorted(module.app.registered_classes), "device": module.DEVICE}))
 """
 
 
 def test_the_modal_app_imports_with_modal(rendered: dict[str, Path], s3_env: dict[str, str]) -> None:
     proc = run(sys.executable, "-c", MODAL_PROBE, rendered["modal"] / "modal_app.py", env=s3_env)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"app": "warmstart", "classes": ["Warmstart"]}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"app": "warmstart", "classes": ["Warmstart"],
+                                                                "device": "cuda"}
     text = (rendered["modal"] / "modal_app.py").read_text()
     assert "enable_memory_snapshot=True" in text and 'gpu="L4"' in text
     assert '"torch==2.13.0"' in text and '"safetensors"' in text  # warmstart's dependencies go into the image
@@ -358,8 +361,8 @@ def test_modal_rejects_a_broken_app(rendered: dict[str, Path], s3_env: dict[str,
 
 
 def runpod_job(handler: Path, job: dict[str, Any], env: dict[str, str], cache: Path) -> dict[str, Any]:
-    proc = run(sys.executable, handler, "--test_input", json.dumps(job), env={**env, "WARMSTART_CACHE": str(cache)},
-               cwd=handler.parent)
+    proc = run(sys.executable, handler, "--test_input", json.dumps(job),
+               env={**env, "WARMSTART_CACHE": str(cache), "WARMSTART_DEVICE": "cpu"}, cwd=handler.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in (proc.stdout + proc.stderr).splitlines():  # RunPod's local runner logs the job's result
         if "Job result:" in line or '"output"' in line:
@@ -383,6 +386,7 @@ def test_the_runpod_handler_reports_a_bad_job(rendered: dict[str, Path], s3_env:
     for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(key, s3_env[key])
     monkeypatch.setenv("WARMSTART_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("WARMSTART_DEVICE", "cpu")
     spec = importlib.util.spec_from_file_location("runpod_handler", rendered["runpod"] / "handler.py")
     assert spec is not None and spec.loader is not None
     worker = importlib.util.module_from_spec(spec)
@@ -392,6 +396,69 @@ def test_the_runpod_handler_reports_a_bad_job(rendered: dict[str, Path], s3_env:
     assert set(worker.handler({"id": "j2", "input": "hello"})) == {"error"}
     ok = worker.handler({"id": "j3", "input": {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}})
     assert ok["object"] == "text_completion" and ok["usage"]["completion_tokens"] == 2
+
+
+# -- the GPU -----------------------------------------------------------------------------------------------
+
+
+def container_env(manifest: dict[str, Any]) -> dict[str, str]:
+    spec = manifest["spec"]
+    pod = spec["template"]["spec"] if "template" in spec else spec["predictor"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_every_platform_asks_its_instances_for_the_gpu(rendered: dict[str, Path]) -> None:
+    for platform, name in (("cloudrun", "service.yaml"), ("knative", "service.yaml"),
+                           ("kserve", "inferenceservice.yaml")):
+        manifest = yaml.safe_load((rendered[platform] / name).read_text())
+        assert container_env(manifest)["WARMSTART_DEVICE"] == "cuda", platform
+    template = yaml.safe_load(_without_intrinsics((rendered["aws"] / "template.yaml").read_text()))
+    assert template["Resources"]["Model"]["Properties"]["PrimaryContainer"]["Environment"]["WARMSTART_DEVICE"] == "cuda"
+    for platform in ("docker", "runpod"):
+        final = (rendered[platform] / "Dockerfile").read_text().split("\nFROM ")[-1]
+        assert "WARMSTART_DEVICE=cuda" in final, platform
+
+
+ENTRYPOINT_PROBE = """
+import json, sys
+dockerfile = open(sys.argv[1]).read()
+line = next(l for l in dockerfile.splitlines() if l.startswith("ENTRYPOINT "))
+print(json.dumps(json.loads(line[len("ENTRYPOINT "):])))
+"""
+
+
+@pytest.mark.parametrize(("device_env", "args", "expected"), [
+    ({}, ["serve"], ["--device", "cuda", "--host", "0.0.0.0", "--port", "8080"]),  # SageMaker's `serve` dropped
+    ({"WARMSTART_DEVICE": "auto"}, ["--max-num-seqs", "8"],
+     ["--device", "auto", "--host", "0.0.0.0", "--port", "8080", "--max-num-seqs", "8"]),
+])
+def test_the_image_entrypoint_serves_on_the_device_it_is_given(rendered: dict[str, Path], tmp_path: Path,
+                                                              device_env: dict[str, str], args: list[str],
+                                                              expected: list[str]) -> None:
+    """The rendered ENTRYPOINT run by /bin/sh, as the container runtime runs it, with a stand-in `warmstart` that
+    prints the arguments it was given."""
+    entrypoint = json.loads(run(sys.executable, "-c", ENTRYPOINT_PROBE, rendered["docker"] / "Dockerfile").stdout)
+    stub = tmp_path / "warmstart"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "WARMSTART_SNAPSHOT": "0123abcd", **device_env}
+    proc = run(*entrypoint, *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["serve", "0123abcd", *expected]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="shows what a worker without a GPU does")
+def test_the_runpod_worker_without_a_gpu_fails_at_once_saying_so(rendered: dict[str, Path], s3_env: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    env = {k: v for k, v in s3_env.items() if k != "WARMSTART_DEVICE"} | {"WARMSTART_CACHE": str(tmp_path / "c")}
+    handler = rendered["runpod"] / "handler.py"
+    proc = run(sys.executable, handler, "--test_input", '{"input": {"prompt": "Hi"}}', env=env, cwd=handler.parent)
+    assert proc.returncode != 0
+    assert "device 'cuda' was asked for" in proc.stderr and "sees no CUDA device" in proc.stderr, proc.stderr[-2000:]
+    blobs = tmp_path / "c" / "blobs"
+    assert not blobs.exists() or not any(blobs.iterdir())  # refused before anything was pulled
 
 
 # -- SageMaker's container contract and the installed templates ----------------------------------------------
