@@ -1,20 +1,38 @@
 """Everything the CUDA path needs checked on a GPU, in one run of under 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py [--out benchmarks/results] [--budget-s 450]
+    python benchmarks/gpu_check.py [--out benchmarks/results] [--budget-s 400] [--sections served ...]
     python benchmarks/gpu_check.py --dry-run     # on the CPU: every section at toy size (a test runs this)
 
-Sections, in order; each is timed, a failing one is recorded and the next runs; a section that would start
-past the budget is skipped (and says so):
-1. kernels: the `kernels` tests, compiled (not interpreted).
-2. engine_vs_transformers: every tiny model family on CUDA (Triton kernels, decode CUDA graphs) against
+Sections, in order of what they prove; each is timed, a failing one is recorded and the next runs, and a
+section (or a model inside one) that the budget leaves no time for is skipped with a message. Child
+processes get what is left of the budget as their timeout, so the run ends within --budget-s plus one step:
+1. host_to_device: 1 GB pinned and pageable, one copy each, and snapshot.device_copy's staged copy against a
+   plain `.to("cuda")`: the bus the cold start's device copy is measured against.
+2. served (benchmarks/gpu_served.py): `warmstart serve --device cuda` as a real process on snapshots of random
+   SmolLM2-135M- and Llama-3.2-1B-shaped models (bf16): cold start with empty and with warm blob and Triton
+   caches (ready, first token, the server's timeline with device_copy GB/s against the pinned bus), greedy
+   tokens against transformers on the same GPU, and served throughput and TTFT against
+   benchmarks/hf_handler.py on the same GPU, side by side with the ratio.
+3. engine_vs_transformers: every tiny model family on CUDA (Triton kernels, decode CUDA graphs) against
    transformers' greedy tokens in float32.
-3. first_call: each kernel's first call (compile) and second call at SmolLM2-135M's shapes, with an empty
-   Triton cache and again in a fresh process over the cache the first filled (what an image carries).
-4. throughput: ours (bf16, CUDA, kernels + graphs) and transformers (bf16, CUDA, one static batch) on the
-   SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B shapes with random weights, side by side, and the ratio.
-5. host_to_device: snapshot.device_copy's staged copy of 1 GiB against a plain `.to("cuda")`.
-6. cold_start: benchmarks/cold_start.py from local disk (one round, SmolLM2-135M).
-Writes gpu_check.json and gpu_check.md under --out.
+4. bench_models, first_call: each kernel's first call (compile) and second call at SmolLM2-135M's shapes,
+   with an empty Triton cache and again in a fresh process over the cache the first filled.
+5. throughput: ours (bf16, CUDA, kernels + graphs) and transformers (bf16, CUDA, one static batch) on the
+   SmolLM2-135M, Qwen2.5-0.5B and Llama-3.2-1B shapes in-process, side by side, and the ratio.
+6. kernels: the `kernels` tests, compiled (not interpreted), in what is left of the budget.
+Writes gpu_check.json and gpu_check.md under --out. The model configs are in benchmarks/models/ (copies of
+../shared/bench/models/, which does not travel to the device machine).
+
+On the device machine (its image has torch, triton, transformers, httpx and the rest, but not starlette,
+uvicorn or boto3): first, here, `benchmarks/device_wheels.sh` (downloads those wheels into the ignored
+folder .whl/), then call the device tool's `run` with carry [".whl"], timeout_s 560 and the command
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 \
+      python3 benchmarks/gpu_check.py --out $OUT 2>&1 | tee $OUT/log.txt
+
+and copy the figures from gpu_check.md into docs/BENCHMARKS.md. A rerun of one section in what is left of
+the 15 minutes: the same with `--sections served --budget-s 200`.
 """
 
 from __future__ import annotations
@@ -41,7 +59,6 @@ if not torch.cuda.is_available():  # the dry run proves the wiring under Triton'
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
 from runtime.engine.engine import EngineOptions, LLMEngine  # noqa: E402
 from runtime.engine.model_runner import GRAPHS_ENV  # noqa: E402
@@ -51,6 +68,28 @@ from runtime.random_model import make_random_model  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 
 BENCH_MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
+BENCH_CONFIGS = ROOT / "benchmarks" / "models"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """A child process's environment: the repository importable, ahead of what PYTHONPATH already holds (on the
+    device machine, the carried wheels), and no API key, so the servers take plain requests."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, **extra}
+    env.pop("WARMSTART_API_KEY", None)
+    return env
+
+
+def left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def bench_model_dir(name: str) -> Path:
+    """The random-weight bf16 model of benchmarks/models/NAME.json, built once into the user's cache."""
+    out = Path.home() / ".cache" / "warmstart" / "bench" / f"{name}-bf16"
+    if not (out / "config.json").is_file():
+        make_random_model(out, BENCH_CONFIGS / f"{name}.json", seed=0, dtype="bfloat16")
+    return out
 
 
 def weights_to(weights: ModelWeights, device: torch.device) -> ModelWeights:
@@ -94,18 +133,23 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> li
 # -- sections -------------------------------------------------------------------------------------------------
 
 
-def kernels_tests(dry: bool) -> dict:
+def kernels_tests(dry: bool, deadline: float) -> dict:
     if dry:
         return {"skipped": "the dry run leaves the kernels tests to the normal test command"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "kernels", "-p", "no:cacheprovider",
            "tests/runtime/test_kernels.py", "tests/runtime/test_kernels_attention.py",
            "tests/runtime/test_kernels_quant.py"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, left(deadline)),
+                              env=child_env())
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"passed": None, "stopped": "at the end of the time budget", "tail": out.splitlines()[-15:]}
     tail = done.stdout.strip().splitlines()[-15:]
     return {"passed": done.returncode == 0, "summary": tail[-1] if tail else "", "tail": tail}
 
 
-def engine_vs_transformers(dry: bool, device: torch.device) -> dict:
+def engine_vs_transformers(dry: bool, device: torch.device, deadline: float) -> dict:
     from tests.support.model_configs import FAMILIES
     from tests.support.reference import assert_matches_reference
 
@@ -114,6 +158,9 @@ def engine_vs_transformers(dry: bool, device: torch.device) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
+            if left(deadline) < 10:
+                results[family] = {"skipped": "past the time budget"}
+                continue
             model_dir = make_random_model(Path(tmp) / family, FAMILIES[family], seed=0, dtype="float32")
             vocab = FAMILIES[family]["vocab_size"]
             prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in ((5, 30) if dry else (3, 17, 40, 77, 130))]
@@ -142,17 +189,18 @@ print(json.dumps(first_call_seconds(config, getattr(torch, sys.argv[2]), device)
 """
 
 
-def first_call(dry: bool, bench_dirs: dict[str, Path]) -> dict:
+def first_call(dry: bool, bench_dirs: dict[str, Path], deadline: float) -> dict:
     """Two fresh processes over one new Triton cache: the first compiles every kernel, the second loads them
     (at the first benchmark model's shapes)."""
     model_dir = next(iter(bench_dirs.values()))
     runs = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
+        env = child_env(TRITON_CACHE_DIR=cache)
         for label in ("empty_cache", "carried_cache"):
             start = time.perf_counter()
             done = subprocess.run([sys.executable, "-c", FIRST_CALL, str(model_dir), "float32" if dry else "bfloat16"],
-                                  env=env, capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+                                  env=env, capture_output=True, text=True, timeout=max(1.0, left(deadline)),
+                                  check=True)  # fmt: skip
             kernels = json.loads(done.stdout.splitlines()[-1])
             runs[label] = {"process_s": time.perf_counter() - start, "kernels": kernels}
     return runs
@@ -194,7 +242,7 @@ def throughput(dry: bool, device: torch.device, bench_dirs: dict[str, Path], dea
     batch, prompt_len, max_tokens = (2, 12, 4) if dry else (32, 256, 128)
     results: dict[str, Any] = {"batch": batch, "prompt_tokens": prompt_len, "max_tokens": max_tokens}
     for name, model_dir in bench_dirs.items():
-        if time.monotonic() > deadline:
+        if left(deadline) < 45:  # the Llama-3.2-1B shape takes about that, ours and transformers'
             results[name] = {"skipped": "past the time budget"}
             continue
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -205,36 +253,35 @@ def throughput(dry: bool, device: torch.device, bench_dirs: dict[str, Path], dea
     return results
 
 
-def host_to_device(dry: bool, device: torch.device) -> dict:
+def timed_gb_s(copy: Callable[[], Any], nbytes: int, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    copy()
+    _sync(device)
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def host_to_device(device: torch.device) -> dict:
+    """GB/s (1e9 bytes) host to device: one pinned and one pageable 1 GB copy (the bus, as a loader could at best
+    use it), then 1 GB in 16 pageable tensors through snapshot.device_copy's staged copy against plain `.to`."""
     if device.type != "cuda":
         return {"skipped": "no CUDA device"}
     from snapshot.device_copy import copy_to_device
 
-    tensors = {f"t{i}": torch.empty(64 << 20, dtype=torch.uint8) for i in range(16)}  # 1 GiB, pageable
-    gib = sum(t.numel() for t in tensors.values()) / 2**30
-    copy_to_device({"w": tensors["t0"]}, device)  # CUDA context and pinned pool warm
-    out: dict[str, float] = {}
-    for label, copy in (("staged_gib_s", lambda: copy_to_device(tensors, device)),
-                        ("plain_to_gib_s", lambda: {k: t.to(device) for k, t in tensors.items()})):  # fmt: skip
-        _sync(device)
-        start = time.perf_counter()
-        copy()
-        _sync(device)
-        out[label] = gib / (time.perf_counter() - start)
-    out["ratio"] = out["staged_gib_s"] / out["plain_to_gib_s"]
+    nbytes = 1_000_000_000
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pinned.to(device, non_blocking=True)  # the CUDA context and the copy engines awake
+    out: dict[str, Any] = {
+        "pinned_gb_s": timed_gb_s(lambda: pinned.to(device, non_blocking=True), nbytes, device),
+        "pageable_gb_s": timed_gb_s(lambda: pageable.to(device), nbytes, device),
+    }
+    tensors = {f"t{i}": torch.empty(nbytes // 16, dtype=torch.uint8) for i in range(16)}
+    copy_to_device({"w": tensors["t0"]}, device)  # the staging buffers allocated
+    out["staged_gb_s"] = timed_gb_s(lambda: copy_to_device(tensors, device), nbytes, device)
+    out["plain_to_gb_s"] = timed_gb_s(lambda: {k: t.to(device) for k, t in tensors.items()}, nbytes, device)
+    out["staged_vs_plain"] = out["staged_gb_s"] / out["plain_to_gb_s"]
     return out
-
-
-def cold_start(dry: bool) -> dict:
-    if dry:
-        return {"skipped": "the dry run does not start servers"}
-    cmd = [sys.executable, "benchmarks/cold_start.py", "--models", "smollm2-135m", "--rounds", "1", "--json"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
-    lines = done.stdout.strip().splitlines()
-    try:
-        return {"result": json.loads(lines[-1])}
-    except (IndexError, json.JSONDecodeError):
-        return {"returncode": done.returncode, "stdout_tail": lines[-20:], "stderr_tail": done.stderr[-2000:]}
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
@@ -245,36 +292,85 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def tiny_model(family: str) -> Path:
+    from tests.support.model_configs import FAMILIES
+
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-")) / family
+    return make_random_model(out, FAMILIES[family], seed=0, dtype="float32")
+
+
 def make_bench_models(dry: bool, dirs: dict[str, Path]) -> dict[str, str]:
     """Random-weight models of the benchmark shapes (tiny families in the dry run) into ``dirs``, by name."""
-    if dry:
-        from tests.support.model_configs import FAMILIES
-
-        out = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-        for family in ("qwen3", "llama"):
-            dirs[f"tiny-{family}"] = make_random_model(out / family, FAMILIES[family], seed=0, dtype="float32")
+    for family in ("qwen3", "llama") if dry else ():
+        dirs[f"tiny-{family}"] = tiny_model(family)
     for name in () if dry else BENCH_MODELS:
-        out = Path.home() / ".cache" / "warmstart" / "bench" / f"{name}-bf16"
-        if not (out / "config.json").is_file():
-            make_random_model(out, SHARED_BENCH / "models" / f"{name}.json", seed=0, dtype="bfloat16")
-        dirs[name] = out
+        dirs[name] = bench_model_dir(name)
     return {name: str(path) for name, path in dirs.items()}
+
+
+def served_section(dry: bool, device: torch.device, deadline: float, host_to_device: dict[str, Any]) -> dict:
+    from benchmarks.gpu_served import SERVED_MODELS, served
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what earlier sections cached is the servers' to use
+    models = {"tiny-llama": tiny_model("llama")} if dry else {name: bench_model_dir(name) for name in SERVED_MODELS}
+    return served(dry, device, deadline, child_env(), models, host_to_device)
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """What in the report says the CUDA path is wrong (not what the budget skipped)."""
+    out = []
+    for name, section in report["sections"].items():
+        if "error" in section:
+            out.append(f"{name}: {section['error']}")
+        result = section.get("result")
+        if not isinstance(result, dict):
+            continue
+        if name == "kernels" and result.get("passed") is False:
+            out.append(f"kernels: {result.get('summary')}")
+        for key, row in result.items():
+            if not isinstance(row, dict):
+                continue
+            if "error" in row:
+                out.append(f"{name} {key}: {str(row['error'])[:300]}")
+            if row.get("matches") is False or row.get("greedy", {}).get("matches") is False:
+                out.append(f"{name} {key}: greedy tokens differ from transformers")
+    return out
+
+
+# Seconds a section needs to be worth starting (served and throughput also check per model).
+MIN_SECONDS = {"host_to_device": 10, "served": 60, "engine_vs_transformers": 30, "bench_models": 20,
+               "first_call": 30, "throughput": 30, "kernels": 30}
 
 
 def markdown(report: dict) -> str:
     lines = [f"# gpu_check {report['started']}", "", f"- device: {report['device']}",
-             f"- torch {report['torch']}, triton {report['triton']}, total {report['total_s']:.0f} s", ""]  # fmt: skip
+             f"- torch {report['torch']} (CUDA {report['cuda']}), triton {report['triton']}, "
+             f"total {report['total_s']:.0f} s", ""]  # fmt: skip
     for name, section in report["sections"].items():
         lines += [f"## {name} ({section.get('seconds', 0):.1f} s)", "", "```json",
-                  json.dumps(section.get("result", section), indent=1, default=str)[:6000], "```", ""]  # fmt: skip
+                  json.dumps(section.get("result", section), indent=1, default=str)[:8000], "```", ""]  # fmt: skip
+    if report["failures"]:
+        lines += ["## failures", "", *[f"- {f}" for f in report["failures"]], ""]
     return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out: Path, start: float) -> None:
+    report["total_s"] = time.monotonic() - start
+    report["failures"] = failures(report)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu_check-dry" if report["dry_run"] else "gpu_check"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown(report))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (kernels interpreted)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="no section starts after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=400.0,
+                    help="the run's time: sections are skipped, and child processes stopped, past it (default 400)")
+    ap.add_argument("--sections", nargs="+", choices=list(MIN_SECONDS), help="run only these (default: all)")
     args = ap.parse_args()
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -289,21 +385,29 @@ def main() -> None:
     report: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": dry,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor()})",
-        "torch": torch.__version__, "triton": triton.__version__, "sections": {},
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__, "sections": {},
     }  # fmt: skip
     bench_dirs: dict[str, Path] = {}
+
+    def h2d() -> dict[str, Any]:
+        return report["sections"].get("host_to_device", {}).get("result", {})  # type: ignore[no-any-return]
+
     sections: list[tuple[str, Callable[[], Any]]] = [
-        ("kernels", lambda: kernels_tests(dry)),
-        ("engine_vs_transformers", lambda: engine_vs_transformers(dry, device)),
+        ("host_to_device", lambda: host_to_device(device)),
+        ("served", lambda: served_section(dry, device, deadline, h2d())),
+        ("engine_vs_transformers", lambda: engine_vs_transformers(dry, device, deadline)),
         ("bench_models", lambda: make_bench_models(dry, bench_dirs)),
-        ("first_call", lambda: first_call(dry, bench_dirs)),
+        ("first_call", lambda: first_call(dry, bench_dirs, deadline)),
         ("throughput", lambda: throughput(dry, device, bench_dirs, deadline)),
-        ("host_to_device", lambda: host_to_device(dry, device)),
-        ("cold_start", lambda: cold_start(dry)),
+        ("kernels", lambda: kernels_tests(dry, deadline)),
     ]
     for name, run in sections:
-        if time.monotonic() > deadline:
-            report["sections"][name] = {"skipped": f"past the {args.budget_s:.0f} s budget"}
+        if args.sections and name not in args.sections:
+            continue
+        if left(deadline) < MIN_SECONDS[name]:
+            report["sections"][name] = {"skipped": f"{max(0.0, left(deadline)):.0f} s of the {args.budget_s:.0f} s "
+                                                   f"budget left; the section needs {MIN_SECONDS[name]} s"}
+            print(f"[gpu_check] {name}: skipped, {report['sections'][name]['skipped']}", flush=True)
             continue
         t0 = time.monotonic()
         try:
@@ -315,13 +419,13 @@ def main() -> None:
         report["sections"][name] = entry
         print(f"[gpu_check] {name}: {entry['seconds']:.1f} s {'ERROR ' + entry['error'] if 'error' in entry else ''}",
               flush=True)  # fmt: skip
-    report["total_s"] = time.monotonic() - start
-    args.out.mkdir(parents=True, exist_ok=True)
+        write_report(report, args.out, start)  # what is done survives a run stopped from outside
+    write_report(report, args.out, start)
     stem = "gpu_check-dry" if dry else "gpu_check"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / f"{stem}.md").write_text(markdown(report))
+    for failure in report["failures"]:
+        print(f"[gpu_check] FAILED {failure}")
     print(f"[gpu_check] wrote {args.out / stem}.json and .md in {report['total_s']:.0f} s")
-    if any("error" in s for s in report["sections"].values()):
+    if report["failures"]:
         sys.exit(1)
 
 

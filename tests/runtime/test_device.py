@@ -76,11 +76,9 @@ def test_unknown_device_names_are_refused(name: str) -> None:
 # -- the faces take a device ---------------------------------------------------------------------------------
 
 
-def test_from_hf_and_snapshot_load_take_a_device() -> None:
-    import snapshot
-
-    for face in (LLM.from_hf, snapshot.load, snapshot.loader.load_with_report):
-        assert inspect.signature(face).parameters["device"].default == "auto", face
+def test_from_hf_takes_a_device_and_a_memory_share() -> None:
+    parameters = inspect.signature(LLM.from_hf).parameters
+    assert parameters["device"].default == "auto" and parameters["gpu_memory_utilization"].default == 0.9
 
 
 def test_from_hf_on_the_cpu_generates_what_it_did_without_a_device(tiny_model_dir: ModelDir) -> None:
