@@ -101,7 +101,8 @@ class LLMEngine:
         num_blocks = options.num_kv_blocks or self._blocks_from_memory(pinned_blocks, model.weights.embed.device)
         check_pool_holds_pinned(num_blocks, pinned_blocks, options, self.max_model_len)
         self.blocks = BlockManager(num_blocks, options.block_size, options.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step, options.max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, options.block_size, options.seed, before_step,
+                                  options.max_num_seqs)
         self.proposer: Proposer | None = None
         if options.speculative == "ngram":
             self.proposer = NgramProposer()
