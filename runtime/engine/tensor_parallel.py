@@ -17,7 +17,11 @@ tensor; the other ranks (followers) run the same forward over their shard, and o
 broadcast that announces a step goes over a control group with no practical timeout (a server may idle for
 days); everything else uses the main group's timeout, so a rank that stops answering fails the step instead
 of hanging it. A rank whose process dies closes its sockets, and gloo then fails the others' collectives at
-once.
+once; NCCL notices at the latest when the step's timeout runs out.
+
+Where the ranks run: on the CPU the main group is gloo; on CUDA it is NCCL, each rank of a host on its own
+GPU, cuda:<local rank> (CUDA_VISIBLE_DEVICES picks which GPUs a host lends), and the step's tensors cross the
+bus once each way around the broadcast. The control group stays gloo either way: it carries host tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from runtime.engine.device import check_device_name, resolve_device
 from runtime.engine.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
@@ -159,18 +164,51 @@ class CommStats:
     gather_seconds: float = 0.0  # the vocabulary-split logits
 
 
+def backend_for(device: torch.device) -> str:
+    """The collectives' backend for ranks on ``device``: NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: str | torch.device, local_rank: int, local_world: int) -> torch.device:
+    """Where the rank ``local_rank`` of the ``local_world`` ranks on this host runs, for a group asked to run on
+    ``device`` (auto, cpu or cuda): the CPU, or cuda:<local_rank>. Refused, saying what to do: a GPU index (each
+    rank takes its own), and more ranks on this host than GPUs torch sees."""
+    name = check_device_name(str(device))
+    if ":" in name:
+        raise TensorParallelError(f"with tensor parallelism each rank runs on its own GPU, cuda:<rank>: give device "
+                                  f"'cuda' (or 'auto'), not {name!r}, and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    where = resolve_device(name)  # a clear DeviceError for cuda where torch sees none
+    if where.type != "cuda":
+        return where
+    count = torch.cuda.device_count()
+    if local_world > count or local_rank >= count:
+        seen = ", ".join(f"cuda:{i}" for i in range(count))
+        raise TensorParallelError(
+            f"--tensor-parallel {local_world} puts {local_world} ranks on this host, one per GPU, but torch sees "
+            f"{count} GPU(s) here ({seen}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"use --tensor-parallel {count} or fewer, or --device cpu"
+        )
+    return torch.device("cuda", local_rank)
+
+
 class TensorParallelGroup:
     """This process's place in a tensor-parallel group, joined through torch.distributed's env:// rendezvous
-    (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE unless given), as torchrun sets up."""
+    (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE unless given, LOCAL_RANK and LOCAL_WORLD_SIZE for the ranks
+    of this host, as torchrun sets them up). ``device``: auto, cpu or cuda (see rank_device); on CUDA it becomes
+    this process's current device, so that what is loaded for the rank lands on its own GPU."""
 
     def __init__(self, rank: int | None = None, world: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, device: str | torch.device = "cpu") -> None:
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world = int(os.environ["WORLD_SIZE"]) if world is None else world
-        # The engine's tensors live on the CPU today, so gloo; NCCL is for when they live on GPUs (untested).
-        self.backend = backend or "gloo"
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.device = rank_device(device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        self.backend = backend or backend_for(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         dist.init_process_group(self.backend, rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=self.device if self.device.type == "cuda" else None)
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         self.stats = CommStats()
         self._step_reduce = 0.0
@@ -227,7 +265,7 @@ class TensorParallelGroup:
         start = time.perf_counter()
         payload = encode_step(step)
         dist.broadcast(torch.tensor([_STEP, payload.numel()], dtype=torch.long), 0, group=self.control)
-        dist.broadcast(payload, 0)
+        dist.broadcast(payload.to(self.device), 0)
         self.stats.broadcast_seconds += time.perf_counter() - start
 
     def receive_step(self) -> StepInputs | None:
@@ -236,9 +274,9 @@ class TensorParallelGroup:
         dist.broadcast(header, 0, group=self.control)
         if int(header[0]) == _STOP:
             return None
-        payload = torch.empty(int(header[1]), dtype=torch.long)
+        payload = torch.empty(int(header[1]), dtype=torch.long, device=self.device)
         dist.broadcast(payload, 0)
-        return decode_step(payload)
+        return decode_step(payload.cpu(), self.device)
 
     def stop_followers(self) -> None:
         dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), 0, group=self.control)
@@ -257,6 +295,9 @@ def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer |
     ``split_head``: each rank computes the logits of its slice of the vocabulary (when it divides by the rank
     count), rank 0 gathers them; otherwise rank 0 computes them all. ``pinned_blocks``: see LLMEngine."""
     options.validate()
+    if shard.embed.device != group.device:
+        raise TensorParallelError(f"rank {group.rank}'s weights are on {shard.embed.device} but its group runs on "
+                                  f"{group.device}; load the rank's shard onto {group.device}")
     local = shard_config(config, group.world)
     if options.num_kv_blocks is None:
         max_len = options.context_length(local)
@@ -277,7 +318,7 @@ def rank_engine(config: ModelConfig, shard: ModelWeights, tokenizer: Tokenizer |
 
 def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:
     """Followers: run rank 0's steps over this rank's shard until it stops the group (or a collective fails)."""
-    no_logits = torch.empty(0, dtype=torch.long)
+    no_logits = torch.empty(0, dtype=torch.long, device=runner.device)
     while (step := group.receive_step()) is not None:
         if not group.split_head:
             step.logits_index = no_logits  # rank 0 computes the whole head
@@ -288,7 +329,7 @@ def follow(runner: ModelRunner, group: TensorParallelGroup) -> None:
 
 
 def encode_step(step: StepInputs) -> torch.Tensor:
-    """Everything a follower needs, flattened into one tensor."""
+    """Everything a follower needs, flattened into one host tensor (the step's token tensors may be on a GPU)."""
     n = step.input_ids.numel()
     parts: list[torch.Tensor | list[int]] = [
         [n, step.highest_block, len(step.block_copies), len(step.meta.groups), step.logits_index.numel()],
@@ -304,10 +345,12 @@ def encode_step(step: StepInputs) -> torch.Tensor:
         if not isinstance(rows, slice):
             parts.append(rows)
         parts += [g.block_tables.reshape(-1), g.query_positions]
-    return torch.cat([torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in parts])
+    return torch.cat([torch.as_tensor(p, dtype=torch.long, device="cpu").reshape(-1) for p in parts])
 
 
-def decode_step(payload: torch.Tensor) -> StepInputs:
+def decode_step(payload: torch.Tensor, device: torch.device | None = None) -> StepInputs:
+    """The step encode_step flattened, from a host tensor; the tensors the model reads go to ``device`` (where
+    the follower's shard is), the attention groups' tables stay on the host as the runner makes them."""
     at = 0
 
     def take(k: int) -> torch.Tensor:
@@ -325,6 +368,8 @@ def decode_step(payload: torch.Tensor) -> StepInputs:
         groups.append(AttentionGroup(rows=rows, block_tables=take(b * width).view(b, width),
                                      query_positions=take(nq), first_key_position=first_key,
                                      is_decode=bool(is_decode), block_size=block_size))
+    if device is not None:
+        input_ids, positions, slots, logits_index = (t.to(device) for t in (input_ids, positions, slots, logits_index))
     return StepInputs(
         input_ids=input_ids, positions=positions, meta=AttentionMetadata(slot_mapping=slots, groups=groups),
         logits_index=logits_index, highest_block=highest,
