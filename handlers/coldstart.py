@@ -2,9 +2,11 @@
 
 Phases, in the order they happen: process_start (0), imports (what serving needs before it can listen),
 listening (the socket is bound and answers /health), runtime_imports (torch and the loader, in the
-loading thread), manifest, blobs (present in the local cache, pulled or already there), mapped, ready
-(the engine takes requests and /health says 200), first_request, first_token. Each phase is marked once;
-every mark is one JSON line for logs and scripts, and the whole timeline is served at /status.
+loading thread), manifest, blobs (present in the local cache, pulled or already there), device_copy (on a
+GPU: the weights are on it; with the bytes, the seconds spent copying and GB/s), mapped (the weights are in
+place), ready (the engine takes requests and /health says 200; with the device and the ops it runs),
+first_request, first_token. Each phase is marked once; every mark is one JSON line for logs and scripts, and
+the whole timeline is served at /status.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ PHASES = (
     "runtime_imports",
     "manifest",
     "blobs",
+    "device_copy",
     "mapped",
     "ready",
     "first_request",

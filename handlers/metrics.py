@@ -39,6 +39,8 @@ class Metrics:
         self.stats: EngineStats | None = None  # set just before each scrape
         self.rank_loads: list[dict[str, Any]] = []  # tensor parallelism: each rank's pull and map
         self.comm: CommStats | None = None  # tensor parallelism: rank 0's collective times
+        self.engine_info: dict[str, str] = {}  # device and ops, once the engine is loaded
+        self.device_copy: dict[str, Any] | None = None  # the weights' copy to the device, when there was one
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -126,6 +128,19 @@ class _EngineCollector(Collector):
                       "ones plus one from the target per pass.", stats.spec_num_emitted_tokens if stats else 0)
         yield gauge("spec_decode_draft_acceptance_rate", "Accepted over proposed tokens, since the start.",
                     stats.spec_acceptance_rate if stats else 0.0)
+        if m.engine_info:
+            # An info gauge (value 1) as vLLM's cache_config_info: the labels say where and on what it serves.
+            info = GaugeMetricFamily(PREFIX + "engine_info", "Where the engine runs: device (cpu, cuda:N) and ops "
+                                     "(torch: PyTorch ops; triton: the Triton kernels).",
+                                     labels=["model_name", "device", "ops"])
+            info.add_metric([m.model_name, m.engine_info["device"], m.engine_info["ops"]], 1.0)
+            yield info
+        if m.device_copy is not None:
+            yield GaugeMetricFamily(PREFIX + "device_copy_bytes", "Weight bytes copied to the device at cold start.",
+                                    value=m.device_copy["bytes"])
+            yield GaugeMetricFamily(PREFIX + "device_copy_seconds", "Seconds spent copying the weights to the "
+                                    "device at cold start (reading the blobs and the transfers).",
+                                    value=m.device_copy["seconds"])
         cold = GaugeMetricFamily(PREFIX + "cold_start_seconds", "When each cold-start phase ended, in seconds "
                                  "since the process started.", labels=["phase"])
         for phase, seconds in m.timeline.as_dict()["phases"].items():

@@ -95,8 +95,10 @@ class ServeState:
 
 
 def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None,
-                  engine_options: dict[str, Any], tensor_parallel: int = 1, collective_timeout: float = 60.0) -> None:
-    """Pull (if need be), map and start the engine for ``state.ref``; the state ends ready or failed.
+                  engine_options: dict[str, Any], tensor_parallel: int = 1, collective_timeout: float = 60.0,
+                  device: str = "auto") -> None:
+    """Pull (if need be), map and start the engine for ``state.ref`` on ``device`` (auto, cpu, cuda or cuda:N: a
+    device that is not there fails the load before anything is pulled); the state ends ready or failed.
 
     With ``tensor_parallel`` > 1 this is rank 0 of a group joined through env:// (see handlers/tensor_parallel.py):
     it pulls and maps its own shard, and gathers the other ranks' pull and map times."""
@@ -113,17 +115,22 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             from runtime.engine.tensor_parallel import TensorParallelGroup
 
             state.group = TensorParallelGroup(timeout_s=collective_timeout)
-        llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, **engine_options)
+        llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, device=device,
+                                       **engine_options)
         rank_loads: list[Any] = []
         if state.group is not None:
             rank_loads = state.group.gather_objects(report.rank_load(0))
-        for phase in ("manifest", "blobs", "mapped"):
+        for phase in ("manifest", "blobs", "device_copy", "mapped"):
             details: dict[str, Any] = {}
+            if phase not in report.phases:
+                continue  # device_copy: only when the weights were copied to a device
             if phase == "manifest":
                 details = {"snapshot_id": report.snapshot_id}
             elif phase == "blobs":
                 details = {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
                            "blobs_total": report.blobs_total}
+            elif phase == "device_copy":
+                details = {"device": report.device, **(report.device_copy or {})}
             elif phase == "mapped" and rank_loads:
                 details = {"ranks": rank_loads}  # every rank's own pull and map
             timeline.mark(phase, at=started + report.phases[phase], **details)
@@ -151,13 +158,20 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             "pull": {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
                      "blobs_total": report.blobs_total},
             "engine": {k: summary[k] for k in ENGINE_INFO},
+            "device": summary["device"],
+            "ops": summary["ops"],
         }
+        if report.device_copy is not None:
+            info["device_copy"] = report.device_copy
+        state.metrics.engine_info = {"device": summary["device"], "ops": summary["ops"]}
+        state.metrics.device_copy = report.device_copy
         if state.group is not None:
             info["tensor_parallel"] = {"size": state.group.world, "backend": state.group.backend, "ranks": rank_loads}
             state.metrics.rank_loads, state.metrics.comm = rank_loads, state.group.stats
         ready_at = time.monotonic()
         state.set_ready(AsyncLLM(engine), model, info)
-        timeline.mark("ready", at=ready_at, url=state.url, snapshot_id=report.snapshot_id, model=state.model_name)
+        timeline.mark("ready", at=ready_at, url=state.url, snapshot_id=report.snapshot_id, model=state.model_name,
+                      device=summary["device"], ops=summary["ops"])
     except Exception as e:
         state.fail(_describe(e, state.ref))
 
@@ -165,12 +179,13 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
 def _describe(e: Exception, ref: str) -> str:
     """One sentence for a load that failed: the loader's own errors say what to do; anything else is a bug."""
     try:
+        from runtime.engine.device import DeviceError
         from runtime.models.config import ModelConfigError
         from snapshot.errors import StoreError
         from snapshot.format import FormatError
         from snapshot.loader import SnapshotError
 
-        known: tuple[type[Exception], ...] = (StoreError, FormatError, SnapshotError, ModelConfigError)
+        known: tuple[type[Exception], ...] = (StoreError, FormatError, SnapshotError, ModelConfigError, DeviceError)
     except ImportError:
         known = ()
     if isinstance(e, known):

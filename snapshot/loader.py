@@ -1,8 +1,11 @@
 """A snapshot back into a ready engine: pull what the cache lacks, map the blobs, register the prefix KV.
 
-Weights are views into private read-only mappings of the cached blobs: nothing is parsed or copied, and
-resident memory grows only as pages are touched. Prefix KV is copied into the engine's pool (the pool is
-one tensor per layer) and its blocks registered, pinned, in the prefix cache.
+On the CPU, weights are views into private read-only mappings of the cached blobs: nothing is parsed or
+copied, and resident memory grows only as pages are touched. On a GPU, each weight blob (one per decoder
+layer) is copied from its mapping to the device through pinned staging buffers as soon as it is in the cache,
+while later blobs are still being pulled (snapshot/device_copy.py), and the weights are the same views over
+the device copies. Prefix KV is copied from its mapping into the engine's pool (one tensor per layer, on the
+engine's device) and its blocks registered, pinned, in the prefix cache.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import torch
 import runtime
 from runtime import LLM
 from runtime.engine.adapters import AdapterSelector
+from runtime.engine.device import GIB, resolve_device
 from runtime.engine.engine import EngineOptions, LLMEngine
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LayerWeights, ModelWeights
 from runtime.quant.formats import QuantizedWeight, from_tensors
 from runtime.tokenizer import Tokenizer
 from snapshot.cache import BlobCache
+from snapshot.device_copy import BlobCopier
 from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
 from snapshot.refs import resolve_ref
 from snapshot.store import Store
@@ -48,6 +53,8 @@ class LoadReport:
     blobs_total: int = 0
     prefixes: list[dict[str, Any]] = field(default_factory=list)
     manifest: Manifest | None = None
+    device: str = "cpu"
+    device_copy: dict[str, Any] | None = None  # bytes, blobs, seconds, gb_per_s of the weights' copy, if any
 
     def rank_load(self, rank: int) -> dict[str, Any]:
         """This rank's cold start, as a tensor-parallel group gathers it: what it pulled, how long pulling
@@ -61,10 +68,13 @@ def load(
     ref: str,
     store: str | Store | None = None,
     cache: str | Path | BlobCache | None = None,
+    *,
+    device: str | torch.device = "auto",
     **engine_options: Any,
 ) -> LLM:
-    """The snapshot ``ref`` (an id, a unique id prefix or a ref name) as a ``runtime.LLM`` ready to serve."""
-    llm, _ = load_with_report(ref, store, cache, **engine_options)
+    """The snapshot ``ref`` (an id, a unique id prefix or a ref name) as a ``runtime.LLM`` ready to serve on
+    ``device`` (auto: CUDA when torch sees one, else the CPU; cpu, cuda or cuda:N)."""
+    llm, _ = load_with_report(ref, store, cache, device=device, **engine_options)
     return llm
 
 
@@ -75,45 +85,74 @@ def load_with_report(
     *,
     concurrency: int = 8,
     group: TensorParallelGroup | None = None,
+    device: str | torch.device = "auto",
+    stage_weights: bool | None = None,
     **engine_options: Any,
 ) -> tuple[LLM, LoadReport]:
     """With ``group`` (a tensor-parallel rank), only this rank's blobs are pulled and mapped, and the engine runs
-    this rank's shard (rank 0 leads; the caller runs ``runtime.tensor_parallel.follow`` on the others)."""
+    this rank's shard (rank 0 leads; the caller runs ``runtime.tensor_parallel.follow`` on the others).
+
+    ``device`` as for ``load``; one that does not exist here is refused before anything is pulled. Off the CPU
+    the weights are copied to the device blob by blob as the blobs land in the cache (``stage_weights``: None
+    copies when the device is not the CPU; True copies on the CPU too, through the same path, which is how it is
+    tested without a GPU)."""
     start = time.monotonic()
+    where = resolve_device(device)
     rank = None if group is None else group.rank
     blob_cache = cache if isinstance(cache, BlobCache) else BlobCache(Path(cache) if cache else None)
     raw = blob_cache.get_manifest(ref) if is_id(ref) else None
     cached = Manifest.decode(raw, where=f"cached snapshot {ref}") if raw is not None else None
     manifest = None
+    copier = None
+    if stage_weights or (stage_weights is None and where.type != "cpu"):
+        copier = BlobCopier(where, lambda blob, size: _map_cached(blob_cache, blob, size, report.snapshot_id))
+    draft = engine_options.get("speculative") == "draft"
+
+    def check(m: Manifest) -> None:
+        """Before anything is pulled: the rank count, and what the device can take."""
+        _check_ranks(m, group)
+        view = rank_view(m.data, rank or 0)
+        _check_runs_on(view, where, m.id)
+        if copier is not None:
+            copier.want(_weight_blobs(view, draft))
+            _check_weights_fit(where, sum(copier.sizes.values()), m.id)
+
     if cached is not None:
         _check_ranks(cached, group)
     # A size check (a stat per blob) on every load; hashes are checked when blobs enter the cache, by `warmstart
     # pull` and by `warmstart verify`, not here: see "What is verified when" in the README.
-    if raw is not None and cached is not None and all(blob_cache.has(b, size)
-                                                      for b, size in cached.blob_sizes(rank).items()):
-        manifest = cached
-        report = LoadReport(ref)  # everything is cached: a cold start needs no store at all
-        report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
-    else:
-        the_store = store if isinstance(store, Store) else open_store(store)
-        snapshot_id = resolve_ref(the_store, ref)
-        report = LoadReport(snapshot_id)
-        report.phases["manifest"] = time.monotonic() - start
-        raw, stats = pull_snapshot(the_store, blob_cache, snapshot_id, concurrency=concurrency, rank=rank,
-                                   check=lambda m: _check_ranks(m, group), verify_cached=False)
-        report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
-        report.phases["blobs"] = time.monotonic() - start
-    if blob_id(raw) != report.snapshot_id:
-        raise SnapshotError(f"snapshot {report.snapshot_id}: its manifest does not match its id (corrupt store or "
-                            "cache); delete the cached manifest and pull again")
-    manifest = manifest or Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
-    report.manifest = manifest
-    report.blobs_total = len(manifest.blob_ids(rank))
+    report = LoadReport(ref, device=str(where))
 
     def mark(phase: str) -> None:
         report.phases[phase] = time.monotonic() - start
 
-    engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group)
+    try:
+        if raw is not None and cached is not None and all(blob_cache.has(b, size)
+                                                          for b, size in cached.blob_sizes(rank).items()):
+            manifest = cached
+            check(cached)  # everything is cached: a cold start needs no store at all
+            report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
+        else:
+            the_store = store if isinstance(store, Store) else open_store(store)
+            report.snapshot_id = resolve_ref(the_store, ref)
+            report.phases["manifest"] = time.monotonic() - start
+            raw, stats = pull_snapshot(the_store, blob_cache, report.snapshot_id, concurrency=concurrency, rank=rank,
+                                       check=check, verify_cached=False,
+                                       on_blob=copier.ready if copier is not None else None)
+            report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
+            report.phases["blobs"] = time.monotonic() - start
+        if blob_id(raw) != report.snapshot_id:
+            raise SnapshotError(f"snapshot {report.snapshot_id}: its manifest does not match its id (corrupt store "
+                                "or cache); delete the cached manifest and pull again")
+        manifest = manifest or Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
+        report.manifest = manifest
+        report.blobs_total = len(manifest.blob_ids(rank))
+        engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group, copier)
+    finally:
+        if copier is not None:
+            copier.stop()
+    if copier is not None:
+        report.device_copy = copier.stats.as_dict()
     mark("ready")
     return LLM(engine), report
 
@@ -125,13 +164,20 @@ def engine_from_manifest(
     mark: Callable[[str], None] = lambda _: None,
     prefixes_out: list[dict[str, Any]] | None = None,
     group: TensorParallelGroup | None = None,
+    copier: BlobCopier | None = None,
 ) -> LLMEngine:
+    """``copier``: the weight blobs' copy to the device, under way (see load_with_report); the engine's weights
+    are views over its copies, and the engine runs where they are."""
     sid = manifest.id
     _check_ranks(manifest, group)
     m = rank_view(manifest.data, 0 if group is None else group.rank)
     config = ModelConfig.from_dict(m["model"]["config"], source=f"snapshot {sid}")
     options = _engine_options(m, engine_options, sid)
-    mapped = {b: _map_cached(cache, b, size, sid) for b, size in m["blobs"].items()}
+    on_device = _finish_copy(copier, sid) if copier is not None else {}
+    if copier is not None:
+        mark("device_copy")
+    mapped = {b: on_device[b] if b in on_device else _map_cached(cache, b, size, sid)
+              for b, size in m["blobs"].items()}
     tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
     shard_config = config
     if group is not None and group.world > 1:
@@ -172,6 +218,43 @@ def engine_from_manifest(
         centroids = tensor_view(mapped[selector["blob"]], selector)
         engine.set_adapter_selector(AdapterSelector(list(selector["names"]), centroids))
     return engine
+
+
+def _weight_blobs(m: dict[str, Any], draft: bool) -> dict[str, int]:
+    """The blobs holding a (rank's view of a) manifest's weights, and the draft model's when ``draft``, with
+    their sizes: what goes to the device."""
+    entries = list(m["tensors"].values())
+    if draft and m.get("draft"):
+        entries += m["draft"]["tensors"].values()
+    return {t["blob"]: m["blobs"][t["blob"]] for t in entries}
+
+
+def _check_runs_on(m: dict[str, Any], device: torch.device, sid: str) -> None:
+    """nf4 has no GPU kernel (runtime/kernels/ops.py): refuse it off the CPU before anything is pulled."""
+    if device.type == "cpu":
+        return
+    metas = list(m.get("quantized", {}).values()) + list((m.get("draft") or {}).get("quantized", {}).values())
+    if any(meta.get("scheme") == "nf4" for meta in metas):
+        raise SnapshotError(f"snapshot {sid} is quantized nf4, which has no kernel on {device}; serve it on the CPU "
+                            "(--device cpu), or rebuild it with --quant int8 or int4 for a GPU")
+
+
+def _check_weights_fit(device: torch.device, nbytes: int, sid: str) -> None:
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise SnapshotError(f"snapshot {sid}'s weights are {nbytes / GIB:.2f} GiB, but {device} has {free / GIB:.2f} "
+                            f"GiB free of {total / GIB:.2f} GiB; free GPU memory, use a larger GPU, quantize the "
+                            "snapshot (--quant int8 or int4), or split it (--tensor-parallel N)")
+
+
+def _finish_copy(copier: BlobCopier, sid: str) -> dict[str, torch.Tensor]:
+    try:
+        return copier.finish()
+    except torch.cuda.OutOfMemoryError:
+        raise SnapshotError(f"snapshot {sid}'s weights do not fit on {copier.device}: it ran out of memory while "
+                            "they were copied there; free GPU memory, or quantize or split the snapshot") from None
 
 
 def _pinned_blocks(m: dict[str, Any], options: EngineOptions) -> int:

@@ -127,8 +127,9 @@ class _Download:
 
 class _Puller:
     def __init__(self, store: Store, cache: BlobCache, concurrency: int, part_size: int, progress: Progress,
-                 snapshot: str | None) -> None:
+                 snapshot: str | None, on_blob: Callable[[str], None] | None = None) -> None:
         self.store, self.cache, self.progress, self.snapshot = store, cache, progress, snapshot
+        self.on_blob = on_blob or (lambda _: None)
         self.concurrency, self.part_size = concurrency, part_size
         self.cancelled = threading.Event()
         self.blobs = 0
@@ -146,6 +147,7 @@ class _Puller:
             elif self.cache.has(blob, size):  # finished by another process since we looked
                 lock.release()
                 self.progress.forget(size)
+                self.on_blob(blob)
             else:
                 mine.append(_Download(self.cache, blob, size, lock))
         self._download(mine)
@@ -157,6 +159,7 @@ class _Puller:
             if self.cache.has(blob, sizes[blob]):
                 lock.release()
                 self.progress.forget(sizes[blob])
+                self.on_blob(blob)
             else:
                 self._download([_Download(self.cache, blob, sizes[blob], lock)])
 
@@ -220,15 +223,18 @@ class _Puller:
             self.blobs += 1
             self.bytes += d.size
         self.progress.blob_done()
+        self.on_blob(d.blob)
 
 
 def pull_blobs(store: Store, cache: BlobCache, sizes: dict[str, int], *, concurrency: int = DEFAULT_CONCURRENCY,
                part_size: int = DEFAULT_PART_SIZE, progress: bool | Progress | None = None,
-               snapshot: str | None = None, verify_cached: bool = True) -> PullStats:
+               snapshot: str | None = None, verify_cached: bool = True,
+               on_blob: Callable[[str], None] | None = None) -> PullStats:
     """Bring the blobs of ``sizes`` ({id: size}) into the cache with parallel ranged GETs over parts of all
     blobs at once, each verified against its id before it is renamed into place. Safe when several processes
     pull at once: a per-blob lock makes each blob download once; the others wait for it. ``snapshot`` only
-    names the snapshot in errors.
+    names the snapshot in errors. ``on_blob(id)`` is called once for each blob as soon as it is in the cache
+    (those already there first), from whichever thread brought it in.
 
     Blobs already cached are checked first: their size always, their hash too with ``verify_cached``. A damaged
     one is removed and downloaded again."""
@@ -241,9 +247,13 @@ def pull_blobs(store: Store, cache: BlobCache, sizes: dict[str, int], *, concurr
     started = time.monotonic()
     replaced = discard_damaged(cache, sizes, verify_hash=verify_cached, concurrency=concurrency, snapshot=snapshot)
     missing = {blob: size for blob, size in sorted(sizes.items()) if not cache.has(blob, size)}
+    if on_blob is not None:
+        for blob in sizes:
+            if blob not in missing:
+                on_blob(blob)
     reporter = as_progress(progress, "pull")
     reporter.start(sum(missing.values()), len(missing))
-    puller = _Puller(store, cache, concurrency, part_size, reporter, snapshot)
+    puller = _Puller(store, cache, concurrency, part_size, reporter, snapshot, on_blob)
     try:
         puller.run(missing)
     finally:
@@ -281,11 +291,12 @@ def discard_damaged(cache: BlobCache, sizes: Mapping[str, int | None], *, verify
 def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurrency: int = DEFAULT_CONCURRENCY,
                   part_size: int = DEFAULT_PART_SIZE, progress: bool | Progress | None = None,
                   rank: int | None = None, check: Callable[[Manifest], None] | None = None,
-                  verify_cached: bool = True) -> tuple[bytes, PullStats]:
+                  verify_cached: bool = True, on_blob: Callable[[str], None] | None = None) -> tuple[bytes, PullStats]:
     """Fetch the snapshot's manifest and every blob it lists into the cache; returns the manifest bytes.
     The manifest is cached last, so a cached manifest means its blobs are all in the cache. With ``rank``, only
     that tensor-parallel rank's blobs are fetched, and the manifest is not cached. ``check`` may refuse the
-    manifest (by raising) before any blob is fetched. Cached blobs are checked as ``pull_blobs`` says."""
+    manifest (by raising) before any blob is fetched. Cached blobs are checked, and ``on_blob`` is called, as
+    ``pull_blobs`` says."""
     raw = cache.get_manifest(snapshot_id) or store.get_manifest(snapshot_id)
     manifest = Manifest.decode(raw, where=f"snapshot {snapshot_id} in {store.uri}")
     if check is not None:
@@ -295,7 +306,7 @@ def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurren
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"snapshot {snapshot_id} in {store.uri} has no valid blob list; rebuild it") from None
     stats = pull_blobs(store, cache, sizes, concurrency=concurrency, part_size=part_size, progress=progress,
-                       snapshot=snapshot_id, verify_cached=verify_cached)
+                       snapshot=snapshot_id, verify_cached=verify_cached, on_blob=on_blob)
     if rank is None or manifest.tensor_parallel == 1:
         cache.add_manifest(snapshot_id, raw)
     return raw, stats
