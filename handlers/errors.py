@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class CliError(Exception):
@@ -29,3 +30,26 @@ def port_number(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
     return int(text)
+
+
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def device_name(text: str) -> str:
+    """auto, cpu, cuda or cuda:N, checked without importing torch (serving listens before it does); whether the
+    device exists is checked when the engine loads (runtime.engine.device.resolve_device)."""
+    name = text.strip().lower()
+    if not DEVICE_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return name
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.coldstart import Timeline, print_json_line
-from handlers.errors import CliError, non_negative_int, port_number, positive_int
+from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
 
 
 def add_command(sub: Any) -> None:
@@ -32,6 +32,12 @@ def add_command(sub: Any) -> None:
     serve.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one")
     serve.add_argument("--served-model-name", help="the model name clients send (default: REF)")
     engine = serve.add_argument_group("engine")
+    engine.add_argument("--device", type=device_name, default="auto",
+                        help="where the engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or "
+                             "cuda:N; a GPU runs the Triton kernels and CUDA graphs (default auto)")
+    engine.add_argument("--gpu-memory-utilization", type=fraction,
+                        help="on a GPU: the fraction of its memory this server may use, weights, activations and KV "
+                             "pool together, as in vLLM (default 0.9)")
     engine.add_argument("--max-num-seqs", type=positive_int, help="requests run at once (default 64)")
     engine.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default 2048)")
     engine.add_argument("--num-kv-blocks", type=positive_int, help="KV pool size (default: from free memory)")
@@ -82,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
     engine_options = {name: getattr(args, name) for name in
                       ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "speculative",
-                       "num_speculative_tokens")
+                       "num_speculative_tokens", "gpu_memory_utilization")
                       if getattr(args, name) is not None}
     if args.tensor_parallel > 1 and args.speculative:
         raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")
@@ -104,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url)
 
     def load() -> None:
-        load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout)
+        load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,
+                      device=args.device)
         if state.status == "failed":
             print_json_line({"event": "error", "message": state.error})
             server.should_exit = True

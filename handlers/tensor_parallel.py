@@ -26,7 +26,8 @@ from typing import Any
 
 from handlers.errors import CliError
 
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "gpu_memory_utilization",
+                "device")
 WATCH_INTERVAL_S = 0.2
 
 
@@ -92,7 +93,8 @@ def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
         from snapshot.loader import load_with_report
 
         group = TensorParallelGroup(timeout_s=args.collective_timeout)
-        llm, report = load_with_report(args.ref, args.store, BlobCache(args.cache), group=group, **engine_options)
+        llm, report = load_with_report(args.ref, args.store, BlobCache(args.cache), group=group, device=args.device,
+                                       **engine_options)
         group.gather_objects(report.rank_load(group.rank))
         follow(llm.engine.runner, group)
     except Exception as e:  # the loader's errors say what to do; a failed collective names the lost peer
