@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from handlers import demo, deploy_templates, serve, snapshot_commands
+from handlers import demo, deploy_templates, prepare_command, serve, snapshot_commands
 from handlers.errors import CliError
 
 
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_command(sub)
     snapshot_commands.add_commands(sub)
+    prepare_command.add_command(sub)
     serve.add_command(sub)
     deploy_templates.add_command(sub)
     return parser

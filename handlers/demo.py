@@ -1,9 +1,10 @@
 """`warmstart demo` (what `make demo` runs): the whole job on the local default store, end to end.
 
-It builds a random SmolLM2-135M-shaped model (once), snapshots it with a long system prompt into the
-local store (again only when something changed), starts `warmstart serve` on it as a fresh process,
-sends a chat request that hits the snapshot's prefix and a streaming one, prints the cold-start timeline
-and a curl line, and keeps serving until Ctrl-C (or exits after the requests with --json / --no-wait).
+It prepares SmolLM2-135M-Instruct (once; a random model of its shape when that cannot be fetched), snapshots
+it with a long system prompt into the local store (again only when something changed), starts `warmstart serve`
+on it as a fresh process, sends a chat request that hits the snapshot's prefix and a streaming one, prints the
+cold-start timeline and a curl line, and keeps serving until Ctrl-C (or exits after the requests with --json /
+--no-wait).
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ DEMO_SYSTEM_PROMPT = "\n\n".join([
 
 def add_command(sub: Any) -> None:
     demo = sub.add_parser("demo", help="build the demo snapshot, serve it, and send it a chat and a streaming request")
-    demo.add_argument("--model-dir", help="demo model directory (default ~/.cache/warmstart/demo-model)")
+    demo.add_argument("--model-dir", help="model directory to serve (default: SmolLM2-135M-Instruct, prepared "
+                      "once into ~/.cache/warmstart/models/smollm2, or a random model of its shape when that "
+                      "cannot be fetched)")
+    demo.add_argument("--random-model", action="store_true", help="serve the random SmolLM2-135M-shaped model "
+                      "(~/.cache/warmstart/demo-model) without trying to fetch the real one")
     demo.add_argument("--system-file", type=pathlib.Path, help="system prompt to snapshot (default: a long "
                       "built-in one)")
     demo.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 (default bfloat16)")
@@ -161,11 +166,31 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
         return built.id
 
 
+def real_model_or_none(log: Callable[[str], None]) -> pathlib.Path | None:
+    """SmolLM2-135M-Instruct prepared into the cache, or None (said why) when it cannot be fetched or converted."""
+    from snapshot.prepare_model import PrepareError, prepare_model
+
+    try:
+        return prepare_model("smollm2", log=log)
+    except (PrepareError, OSError) as e:
+        log(f"the real SmolLM2-135M-Instruct is not available ({e}); serving a random model of its shape")
+        return None
+
+
+def choose_model_dir(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[pathlib.Path, bool]:
+    """The directory to serve and whether its weights are real."""
+    if args.model_dir:  # a directory that is not there yet gets the random model
+        return ensure_demo_model(pathlib.Path(args.model_dir).expanduser(), quiet=args.json), True
+    real = None if args.random_model else real_model_or_none(log)
+    if real is not None:
+        return real, True
+    return ensure_demo_model(default_model_dir(), quiet=args.json), False
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     quiet = args.json
     log: Callable[[str], None] = (lambda _: None) if quiet else (lambda m: print(m, file=sys.stderr))
-    model_dir = ensure_demo_model(pathlib.Path(args.model_dir).expanduser() if args.model_dir
-                                  else default_model_dir(), quiet=quiet)
+    model_dir, real_weights = choose_model_dir(args, log)
     try:
         system_text = args.system_file.read_text(encoding="utf-8") if args.system_file else DEMO_SYSTEM_PROMPT
     except (OSError, UnicodeDecodeError) as e:
@@ -204,7 +229,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(result))
             return 0
-        print(f"\nserving at {url} until Ctrl-C (random weights: the text is gibberish by design)")
+        note = "" if real_weights else " (random weights: the text is gibberish by design)"
+        print(f"\nserving at {url} until Ctrl-C{note}")
         return server.wait()
     except KeyboardInterrupt:
         server.stop()
