@@ -7,6 +7,7 @@ tables cast to the model dtype) so that float32 outputs match it to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ class Model:
         self.config = config
         self.weights = weights
         self.dtype = weights.embed.dtype
-        device = weights.embed.device
+        device = self.device = weights.embed.device
         self.rotary = RotaryTables(*rope_inv_freq(config), max_positions, self.dtype, device)
         self.ops = select_ops(device, self.dtype, (config.num_heads // config.num_kv_heads, config.head_dim))
         self.reduce: Collective = reduce or _unsharded
@@ -51,6 +52,20 @@ class Model:
         """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``.
 
         ``inputs_embeds`` replaces the embedding lookup of ``input_ids`` (soft prompts, at build time)."""
+        # Triton launches a kernel on the calling thread's current CUDA device, whatever device its tensors are
+        # on, and the threads that step the engine never chose one (so cuda:0): make the model's current here.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            return self._forward(input_ids, positions, kv_caches, meta, logits_index, inputs_embeds)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
         c, w, ops = self.config, self.weights, self.ops
         n = input_ids.shape[0]
         eps = c.rms_norm_eps

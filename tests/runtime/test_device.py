@@ -208,3 +208,26 @@ def test_weights_to_moves_every_tensor_and_keeps_the_tied_head(tiny_model_dir: M
     assert moved.lm_head is moved.embed and moved.embed.is_meta and moved.norm.is_meta
     for layer in moved.layers:
         assert all(t is None or t.is_meta for t in vars(layer).values())
+
+
+def test_every_step_runs_with_the_models_gpu_current(tiny_model_dir: ModelDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on the thread's current CUDA device, not its tensors': a model on cuda:N makes cuda:N current
+    around each forward pass (here a CPU model stands in, told it is on cuda:3), and a CPU model asks for none."""
+    entered: list[torch.device] = []
+
+    class CurrentDevice:
+        def __init__(self, device: torch.device) -> None:
+            entered.append(device)
+
+        def __enter__(self) -> None: ...
+
+        def __exit__(self, *exc: object) -> None: ...
+
+    monkeypatch.setattr(torch.cuda, "device", CurrentDevice)
+    llm = LLM.from_hf(tiny_model_dir("llama"), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    on_cpu = llm.generate([[5, 6, 7]], params)[0].token_ids
+    assert entered == []
+    llm.engine.runner.model.device = torch.device("cuda", 3)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == on_cpu
+    assert entered == [torch.device("cuda", 3)] * 3  # one prefill step, two decode steps
