@@ -54,22 +54,31 @@ class CudaGraphs:
         # One memory pool for every graph: they never run at the same time, so they may share activations.
         self.pool = torch.cuda.graph_pool_handle()
 
+    # Each call makes the model's device current: capture, its streams and a replay's launch go to the calling
+    # thread's current device, and the engine's threads never chose one (cuda:0) while the model may be on cuda:N.
+
     def warm_up(self, step: Callable[[], torch.Tensor]) -> None:
         """Run ``step`` once outside capture, on a side stream as PyTorch's CUDA graph docs prescribe, so that
         kernels compile (or load) and libraries set up their workspaces before the capture."""
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            step()
-        current.wait_stream(side)
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                step()
+            current.wait_stream(side)
+            torch.cuda.synchronize(self.device)
 
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
             out = step()
-        return graph.replay, out
+
+        def replay() -> None:
+            with torch.cuda.device(self.device):
+                graph.replay()
+
+        return replay, out
 
 
 class DecodeGraphs:

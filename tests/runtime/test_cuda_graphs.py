@@ -167,3 +167,41 @@ def test_the_engine_captures_deferred_sizes_while_idle(triton_ops: None, tiny_mo
 
     assert len(asyncio.run(idle_then_serve())) == 2
     assert sorted(graphs.graphs) == [1, 2, 4] and graphs.pending == []
+
+
+def test_cuda_calls_run_with_the_model_s_gpu_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda stood in for: warm-up, capture and replay each happen with the model's GPU current, since the
+    engine's threads keep cuda:0 current while the model may be on cuda:1."""
+    from contextlib import contextmanager
+
+    from runtime.engine.cuda_graphs import CudaGraphs
+
+    current: list[torch.device] = [torch.device("cuda", 0)]
+    seen: dict[str, torch.device] = {}
+
+    @contextmanager
+    def device(d: torch.device) -> Any:
+        current.append(d)
+        yield
+        current.pop()
+
+    class Graph:
+        def replay(self) -> None:
+            seen["replay"] = current[-1]
+
+    @contextmanager
+    def graph(g: Graph, pool: Any = None) -> Any:
+        seen["capture"] = current[-1]
+        yield
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    for name, value in {"device": device, "CUDAGraph": Graph, "graph": graph, "graph_pool_handle": lambda: (0, 1),
+                        "current_stream": lambda d=None: stream, "Stream": lambda d=None: stream,
+                        "stream": lambda s: device(current[-1]), "synchronize": lambda d=None: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    gpu1 = torch.device("cuda", 1)
+    backend = CudaGraphs(gpu1)
+    backend.warm_up(lambda: seen.setdefault("warm_up", current[-1]) and torch.zeros(1))
+    replay, _ = backend.capture(lambda: torch.zeros(1))
+    replay()
+    assert seen == {"warm_up": gpu1, "capture": gpu1, "replay": gpu1} and current == [torch.device("cuda", 0)]
