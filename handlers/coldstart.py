@@ -4,9 +4,12 @@ Phases, in the order they happen: process_start (0), imports (what serving needs
 listening (the socket is bound and answers /health), runtime_imports (torch and the loader, in the
 loading thread), manifest, blobs (present in the local cache, pulled or already there), device_copy (on a
 GPU: the weights are on it; with the bytes, the seconds spent copying and GB/s), mapped (the weights are in
-place), ready (the engine takes requests and /health says 200; with the device and the ops it runs),
-first_request, first_token. Each phase is marked once; every mark is one JSON line for logs and scripts, and
-the whole timeline is served at /status.
+place), kernels (on the Triton path: every kernel of a prefill and a decode step called once, compiled or
+loaded from the carried cache; with the seconds and how many kernels were compiled and how many carried),
+graphs (on CUDA: the decode graphs captured before serving, with the seconds, the batch sizes captured and
+those deferred until traffic needs them or the engine idles), ready (the engine takes requests and /health
+says 200; with the device and the ops it runs), first_request, first_token. Each phase is marked once; every
+mark is one JSON line for logs and scripts, and the whole timeline is served at /status.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ PHASES = (
     "blobs",
     "device_copy",
     "mapped",
+    "kernels",
+    "graphs",
     "ready",
     "first_request",
     "first_token",

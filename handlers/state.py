@@ -114,16 +114,16 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         if tensor_parallel > 1:
             from runtime.engine.tensor_parallel import TensorParallelGroup
 
-            state.group = TensorParallelGroup(timeout_s=collective_timeout)
+            state.group = TensorParallelGroup(timeout_s=collective_timeout, device=device)
         llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, device=device,
                                        **engine_options)
         rank_loads: list[Any] = []
         if state.group is not None:
             rank_loads = state.group.gather_objects(report.rank_load(0))
-        for phase in ("manifest", "blobs", "device_copy", "mapped"):
+        for phase in ("manifest", "blobs", "device_copy", "mapped", "kernels", "graphs"):
             details: dict[str, Any] = {}
             if phase not in report.phases:
-                continue  # device_copy: only when the weights were copied to a device
+                continue  # device_copy: only when the weights were copied to a device; kernels, graphs: on CUDA
             if phase == "manifest":
                 details = {"snapshot_id": report.snapshot_id}
             elif phase == "blobs":
@@ -133,6 +133,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
                 details = {"device": report.device, **(report.device_copy or {})}
             elif phase == "mapped" and rank_loads:
                 details = {"ranks": rank_loads}  # every rank's own pull and map
+            elif phase in report.engine_startup:
+                details = report.engine_startup[phase]
             timeline.mark(phase, at=started + report.phases[phase], **details)
         assert report.manifest is not None  # load_with_report always sets it
         manifest = report.manifest.data

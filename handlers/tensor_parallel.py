@@ -62,7 +62,7 @@ def start_followers(plan: RankPlan, args: argparse.Namespace) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(plan.world), RANK="0",
-                      LOCAL_RANK="0")
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(plan.world))
     plan.followers = [
         subprocess.Popen(follower_command(args), env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r)},
                          stdout=subprocess.DEVNULL)
@@ -92,7 +92,7 @@ def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
         from snapshot.cache import BlobCache
         from snapshot.loader import load_with_report
 
-        group = TensorParallelGroup(timeout_s=args.collective_timeout)
+        group = TensorParallelGroup(timeout_s=args.collective_timeout, device=args.device)
         llm, report = load_with_report(args.ref, args.store, BlobCache(args.cache), group=group, device=args.device,
                                        **engine_options)
         group.gather_objects(report.rank_load(group.rank))

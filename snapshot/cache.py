@@ -6,6 +6,8 @@ Cache layout (under $WARMSTART_CACHE or ~/.cache/warmstart/cache):
     snapshots/<id>.msgpack      manifests of snapshots whose blobs are all here
     locks/<id>                  one lock file per blob while some process is downloading it
     tmp/                        blobs being downloaded (one file per blob, named by its id)
+    kernels/<key>/              Triton's compiled kernels, per GPU architecture and versions (written by Triton
+                                when serving on a GPU, see snapshot.loader and runtime.kernels.carried_cache_dir)
 
 A blob enters ``blobs/`` only by a rename after its bytes were verified against its name. What is there can
 still be damaged later (a disk filling up, a tool writing into the file), so loads check every blob's size

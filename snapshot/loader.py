@@ -11,6 +11,7 @@ engine's device) and its blocks registered, pinned, in the prefix cache.
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,7 @@ from runtime import LLM
 from runtime.engine.adapters import AdapterSelector
 from runtime.engine.device import GIB, resolve_device
 from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.kernels import carry_kernels_under
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LayerWeights, ModelWeights
 from runtime.quant.formats import QuantizedWeight, from_tensors
@@ -55,6 +57,9 @@ class LoadReport:
     manifest: Manifest | None = None
     device: str = "cpu"
     device_copy: dict[str, Any] | None = None  # bytes, blobs, seconds, gb_per_s of the weights' copy, if any
+    # What the engine paid before serving, by phase (kernels, graphs; see ModelRunner.startup): the details
+    # of the times in ``phases``.
+    engine_startup: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def rank_load(self, rank: int) -> dict[str, Any]:
         """This rank's cold start, as a tensor-parallel group gathers it: what it pulled, how long pulling
@@ -147,10 +152,14 @@ def load_with_report(
         manifest = manifest or Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
         report.manifest = manifest
         report.blobs_total = len(manifest.blob_ids(rank))
+        _carry_kernels_in(blob_cache)
         engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group, copier)
     finally:
         if copier is not None:
             copier.stop()
+    for phase, at, details in engine.runner.startup:
+        report.phases[phase] = at - start
+        report.engine_startup[phase] = details
     if copier is not None:
         report.device_copy = copier.stats.as_dict()
     mark("ready")
@@ -218,6 +227,14 @@ def engine_from_manifest(
         centroids = tensor_view(mapped[selector["blob"]], selector)
         engine.set_adapter_selector(AdapterSelector(list(selector["names"]), centroids))
     return engine
+
+
+def _carry_kernels_in(cache: BlobCache) -> None:
+    """Triton's compiled kernels go into the snapshot cache (kernels/<GPU architecture and versions>), which a
+    volume or an image carries with the blobs, so a cold start loads them instead of compiling; only where the
+    cache can be written (else warmstart's own directory, see runtime.kernels.carried_cache_dir)."""
+    if os.access(cache.root, os.W_OK):
+        carry_kernels_under(cache.root / "kernels")
 
 
 def _weight_blobs(m: dict[str, Any], draft: bool) -> dict[str, int]:
