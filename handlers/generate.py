@@ -70,6 +70,7 @@ class Service:
         except BaseException:
             self.in_flight -= 1
             raise
+        self.metrics.count_ignored(gen.ignored_fields)
         run = _Run(self, gen, f"{'chatcmpl' if gen.chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
             first = await until_disconnected(run.next(), receive)

@@ -6,6 +6,7 @@ from one `EngineStats` taken at scrape time, so they are exactly the engine's ow
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from runtime.outputs import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_IGNORED_NAMES = 32
+MAX_IGNORED_NAME_CHARS = 64
+log = logging.getLogger("warmstart.requests")
 PREFIX = "warmstart:"
 
 # vLLM's buckets, so that dashboards built for it read the same.
@@ -58,6 +62,9 @@ class Metrics:
                                [*labels, "finished_reason"], registry=self.registry)
         for reason in ("stop", "length"):  # present from the start, at 0, as dashboards expect of a series
             self.success.labels(model_name, reason)
+        self.ignored_fields = Counter(PREFIX + "request_ignored_fields", "Request fields accepted and ignored, by "
+                                      "name.", [*labels, "field"], registry=self.registry)
+        self.ignored_names: set[str] = set()  # names seen so far (logged once each), at most MAX_IGNORED_NAMES
         self.registry.register(_EngineCollector(self))
 
     def observe_request(self, ttft: float | None, queue: float | None, e2e: float, reason: str | None) -> None:
@@ -69,6 +76,17 @@ class Metrics:
         self.e2e.labels(name).observe(e2e)
         if reason in ("stop", "length"):
             self.success.labels(name, reason).inc()
+
+    def count_ignored(self, names: list[str]) -> None:
+        """Count the fields a request sent that the server ignored; each new name is logged once at debug.
+        Past MAX_IGNORED_NAMES distinct names (and names too long to be a field's) the rest count as "_other",
+        so clients cannot grow the series without bound."""
+        for name in names:
+            if (name not in self.ignored_names and len(self.ignored_names) < MAX_IGNORED_NAMES
+                    and len(name) <= MAX_IGNORED_NAME_CHARS):
+                self.ignored_names.add(name)
+                log.debug("ignoring request field %r (this server does not use it)", name[:80])
+            self.ignored_fields.labels(self.model_name, name if name in self.ignored_names else "_other").inc()
 
     def observe_inter_token(self, seconds: float, tokens: int) -> None:
         child = self.itl.labels(self.model_name)

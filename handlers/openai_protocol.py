@@ -123,6 +123,7 @@ class Generation:
     include_usage: bool = False
     logprobs: int | None = None  # top-n alternatives asked for per token; None: no logprobs
     adapter: str | None = None
+    ignored_fields: list[str] = field(default_factory=list)  # fields of the body this server ignored
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -143,9 +144,32 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
     "response_format": lambda v: v == {"type": "text"},
+    # vLLM's own fields that change what is generated; refused unless they ask for what happens anyway
+    "use_beam_search": lambda v: v is False,
+    "length_penalty": lambda v: v == 1,
+    "bad_words": lambda v: v == [],
+    "allowed_token_ids": lambda v: False,
+    "prompt_logprobs": lambda v: False,
+    "truncate_prompt_tokens": lambda v: False,
+    "logits_processors": lambda v: v == [],
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "skip_special_tokens": lambda v: v is True,
+    "spaces_between_special_tokens": lambda v: v is True,
+    "return_tokens_as_token_ids": lambda v: v is False,
+    "add_generation_prompt": lambda v: v is True,
+    "continue_final_message": lambda v: v is False,
+    "chat_template": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: False,
 }
 SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on what is generated
+# Fields outside every list above are accepted and ignored, as vLLM does (clients and SDKs add fields as they go:
+# reasoning_effort, prompt_cache_key, safety_identifier...); Metrics.count_ignored counts them by name.
 COMPLETION_FIELDS = COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix"} | IGNORED
 CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
                "tools", "tool_choice", "functions", "function_call", "response_format"})
@@ -187,9 +211,7 @@ class Body:
     def __init__(self, raw: Any, allowed: set[str], endpoint: str) -> None:
         if not isinstance(raw, dict):
             raise bad(f"the request body must be a JSON object, got {json_type(raw)}")
-        unknown = sorted(k for k in raw if k not in allowed)
-        if unknown:
-            raise bad(f"unknown field {unknown[0]!r} for {endpoint} (this server does not support it)", unknown[0])
+        self.ignored = sorted(k for k in raw if k not in allowed and k not in NEUTRAL)
         for name, neutral in NEUTRAL.items():
             value = raw.get(name)
             if value is not None and not neutral(value):
@@ -415,9 +437,9 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
     if options is not None:
         if not stream:
             raise bad("stream_options is only allowed when stream is true", "stream_options")
-        unknown = sorted(k for k in options if k != "include_usage")
-        if unknown:
-            raise bad(f"unknown field stream_options.{unknown[0]}", "stream_options")
+        if options.get("continuous_usage_stats"):  # other fields of stream_options are ignored
+            raise bad("stream_options.continuous_usage_stats is not supported by this server; leave it out",
+                      "stream_options")
         usage = options.get("include_usage")
         if usage is not None and not isinstance(usage, bool):
             raise bad(f"stream_options.include_usage must be true or false, got {json_type(usage)}", "stream_options")
@@ -462,7 +484,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
         )
     except ValueError as e:  # the runtime's own checks: kept as a second line
         raise bad(str(e)) from None
-    return Generation(chat, ids, params, stream, include_usage, logprobs, adapter)
+    return Generation(chat, ids, params, stream, include_usage, logprobs, adapter, ignored_fields=b.ignored)
 
 
 def _stop(b: Body) -> list[str]:

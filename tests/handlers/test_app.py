@@ -196,7 +196,7 @@ LONG = list(range(5, 305))  # 300 tokens: more than max_model_len 256
         ("/v1/completions", b"", 400, None, "empty"),
         ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
         ("/v1/completions", b"[" * 4000, 400, None, "nested"),
-        ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "unknown field"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),

@@ -1,0 +1,110 @@
+"""What clients send beyond the sampling fields, through the official `openai` client against a real `warmstart
+serve` process: fields the server ignores (counted in /metrics), fields it refuses, and the model's own
+generation_config.json defaults stored in the snapshot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from runtime import LLM, SamplingParams
+from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def greedy_ids(tiny_model_dir) -> list[int]:  # type: ignore[no-untyped-def]
+    """The tiny llama's greedy continuation of PROMPT, computed in-process (the engine matches transformers)."""
+    llm = LLM.from_hf(tiny_model_dir("llama"), dtype="float32", num_kv_blocks=64)
+    return llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, greedy_ids: list[int], tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    """The tiny llama with a generation_config.json as real models ship it: one more EOS id (the 4th token of
+    PROMPT's greedy continuation, as Llama 3 adds <|eot_id|>) and recommended sampling that is greedy in effect
+    (top_k 1) though its temperature is not 0."""
+    out = tmp_path_factory.mktemp("gencfg") / "model"
+    shutil.copytree(tiny_model_dir("llama"), out)
+    config = json.loads((out / "generation_config.json").read_text())
+    eos = config["eos_token_id"]
+    assert greedy_ids[3] not in greedy_ids[:3] and greedy_ids[3] != eos  # the 4th token is the first stop
+    config.update(eos_token_id=[eos, greedy_ids[3]], do_sample=True, temperature=0.7, top_k=1, top_p=0.9)
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def snap(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TinySnapshot:
+    return build_tiny_snapshot(model_dir, tmp_path_factory.mktemp("compat"))
+
+
+@pytest.fixture(scope="module")
+def server(snap: TinySnapshot) -> Iterator[ServerProcess]:
+    s = ServerProcess(snap, "--num-kv-blocks", "256", "--max-model-len", "512")
+    s.wait_for("ready")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def ignored_count(server: ServerProcess, field: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers=AUTH).text
+    prefix = f'warmstart:request_ignored_fields_total{{field="{field}",model_name="{REF}"}}'
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)]
+    return values[0] if values else 0.0
+
+
+# -- item 1: unknown fields are ignored and counted; known ones that change the output are refused -------------
+
+
+def test_fields_the_sdk_and_frameworks_add_are_accepted_and_counted(client: openai.OpenAI,
+                                                                    server: ServerProcess) -> None:
+    before = ignored_count(server, "prompt_cache_key")
+    r = client.chat.completions.create(
+        model=REF, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        reasoning_effort="low", prompt_cache_key="user-42", safety_identifier="hash-1",
+        extra_body={"some_field_from_next_year": {"x": 1}}, stream_options=None)
+    plain = client.chat.completions.create(model=REF, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           temperature=0)
+    assert r.choices[0].message.content == plain.choices[0].message.content  # ignored: no effect
+    assert ignored_count(server, "prompt_cache_key") == before + 1
+    assert ignored_count(server, "some_field_from_next_year") >= 1
+    completion = client.completions.create(model=REF, prompt=PROMPT, max_tokens=2,
+                                           extra_body={"prompt_cache_key": "k", "priority": 3})
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    assert ignored_count(server, "prompt_cache_key") == before + 2
+
+
+def test_unknown_stream_options_are_ignored(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=REF, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))  # type: ignore[typeddict-unknown-key]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"temperature": "hot"}, "temperature"),  # known, invalid
+    ({"use_beam_search": True}, "use_beam_search"),  # known to vLLM, changes the output, not implemented
+    ({"guided_regex": "[a-z]+"}, "guided_regex"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+])
+def test_known_fields_that_are_invalid_or_unimplemented_are_a_400(client: openai.OpenAI, extra: dict[str, object],
+                                                                  param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=REF, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body=extra)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
