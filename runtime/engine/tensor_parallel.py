@@ -157,6 +157,9 @@ def shard_kv(kv: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 @dataclass
 class CommStats:
+    """Seconds spent in collectives, as rank 0 sees them. Over NCCL a collective returns once it is queued on
+    the GPU, so there these count the queueing; the transfer itself shows in the step's time."""
+
     steps: int = 0
     all_reduce_seconds: float = 0.0  # summed over every step
     last_step_all_reduce_seconds: float = 0.0
