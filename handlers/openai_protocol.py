@@ -68,6 +68,8 @@ class ServedModel:
     select_adapter: Callable[[list[int]], str] | None = None  # the "auto" selector, when the snapshot has one
     # (prompt ids, adapter) -> tokens that may follow them in the KV pool (the engine's kv_room); None: the above
     kv_room: Callable[[list[int], str | None], int] | None = None
+    # The model's generation_config.json sampling (temperature, top_p, top_k, min_p): what a request omitting them gets
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
     _max_text: int | None = field(default=None, init=False, repr=False)
@@ -465,15 +467,16 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
                   f"(lower {name} to at most {room})", name,
                   "context_length_exceeded")
 
-    top_k = b.integer("top_k", 0, -1)
+    defaults = model.sampling_defaults
+    top_k = b.integer("top_k", int(defaults.get("top_k", 0)), -1)
     assert top_k is not None
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=b.number("temperature", 1.0, 0.0, 100.0),
-            top_p=b.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+            temperature=b.number("temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
+            top_p=b.number("top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
             top_k=0 if top_k >= model.vocab_size else top_k,
-            min_p=b.number("min_p", 0.0, 0.0, 1.0),
+            min_p=b.number("min_p", defaults.get("min_p", 0.0), 0.0, 1.0),
             seed=b.integer("seed", None, *SEED_RANGE),
             stop=_stop(b),
             stop_token_ids=_stop_token_ids(b, model.vocab_size),

@@ -151,6 +151,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             adapters={name: a.num_tokens for name, a in engine.adapters.items()},
             select_adapter=engine.select_adapter if summary["adapter_selector"] else None,
             kv_room=engine.kv_room,
+            sampling_defaults=dict(engine.generation_defaults.sampling),
         )
         info = {
             "snapshot_id": report.snapshot_id,

@@ -19,6 +19,8 @@ import runtime
 from runtime.engine.adapters import alignment_advice, wasted_slots
 from runtime.engine.engine import LLMEngine
 from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_weights
+from runtime.generation_config import GenerationConfigError
+from runtime.generation_config import read_file as read_generation_config
 from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
 from runtime.models.quantize import quantize_model
 from runtime.models.weights import DTYPES, ModelWeights, checkpoint_files, convert_weights, read_checkpoint
@@ -68,6 +70,10 @@ def build_snapshot(
     model_dir = Path(model_dir)
     config_raw = _read_config(model_dir)
     config = ModelConfig.from_dict(config_raw, source=str(model_dir / "config.json"))
+    try:
+        generation_config = read_generation_config(model_dir)
+    except GenerationConfigError as e:
+        raise BuildError(str(e)) from None
     world = options.tensor_parallel
     try:
         check_divisible(config, world)
@@ -144,6 +150,8 @@ def build_snapshot(
                         "block_size": options.block_size, "lora": options.lora is not None},
         },
     }
+    if generation_config is not None:  # the model's extra EOS ids and recommended sampling (serve applies them)
+        data["generation_config"] = generation_config
     if draft is not None:
         data["draft"] = draft
         data["provenance"]["options"].update(draft_quant=options.draft_quant, draft_group_size=options.draft_group_size)

@@ -25,6 +25,7 @@ from runtime import LLM
 from runtime.engine.adapters import AdapterSelector
 from runtime.engine.device import GIB, resolve_device
 from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.generation_config import GenerationDefaults
 from runtime.kernels import carry_kernels_under
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LayerWeights, ModelWeights
@@ -212,6 +213,8 @@ def engine_from_manifest(
     else:
         engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft,
                                         pinned_blocks=_pinned_blocks(m, options))
+    engine.use_generation_defaults(GenerationDefaults.from_dict(m.get("generation_config") or {},
+                                                                f"snapshot {sid}'s generation_config"))
     draft_kv = m["draft"]["prefix_kv"] if draft is not None else [None] * len(m["prefixes"])
     for p, d in zip(m["prefixes"], draft_kv, strict=True):
         if p["blob"] is not None:

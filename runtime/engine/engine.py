@@ -21,6 +21,7 @@ from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
+from runtime.generation_config import GenerationDefaults
 from runtime.models.config import ModelConfig
 from runtime.models.model import Collective, Model
 from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background, weights_to
@@ -120,6 +121,7 @@ class LLMEngine:
         self.spec = SpecStats()
         self.requests: dict[str, tuple[Sequence, Detokenizer | None]] = {}
         self.eos_token_ids = set(c.eos_token_ids)
+        self.generation_defaults = GenerationDefaults()
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -144,7 +146,9 @@ class LLMEngine:
         if draft_dir is not None:
             draft_config = ModelConfig.from_dir(draft_dir)
             draft = (draft_config, weights_to(load_weights(draft_dir, draft_config, DTYPES[options.dtype]), where))
-        return cls.from_weights(config, weights, tokenizer, options, draft)
+        engine = cls.from_weights(config, weights, tokenizer, options, draft)
+        engine.use_generation_defaults(GenerationDefaults.from_dir(model_dir))
+        return engine
 
     @classmethod
     def from_weights(
@@ -174,6 +178,12 @@ class LLMEngine:
         if options.prepack_weights and weights.embed.device.type == "cpu" and can_prepack(DTYPES[options.dtype]):
             engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
+
+    def use_generation_defaults(self, defaults: GenerationDefaults) -> None:
+        """The model's generation_config.json: its EOS ids stop every request as config.json's do; its sampling
+        is what a server gives requests that leave those fields out (see runtime/generation_config.py)."""
+        self.generation_defaults = defaults
+        self.eos_token_ids |= set(defaults.eos_token_ids)
 
     # -- requests -------------------------------------------------------------------------------------
 

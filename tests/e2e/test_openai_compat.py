@@ -108,3 +108,27 @@ def test_known_fields_that_are_invalid_or_unimplemented_are_a_400(client: openai
                                        extra_body=extra)
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param, error
+
+
+# -- item 2: the model's generation_config.json, stored in the snapshot --------------------------------------
+
+
+def test_generation_config_eos_ids_stop_a_request(client: openai.OpenAI, greedy_ids: list[int]) -> None:
+    r = client.completions.create(model=REF, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage is not None and r.usage.completion_tokens == 4  # the stop id is the 4th token, as EOS counts
+    ignoring = client.completions.create(model=REF, prompt=PROMPT, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 8  # type: ignore[union-attr]
+
+
+def test_generation_config_sampling_applies_to_fields_left_out(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=REF, prompt=PROMPT, max_tokens=3, temperature=0).choices[0].text
+    # No temperature or top_k: the model's top_k 1 makes any seed's sample the greedy one.
+    defaults = {client.completions.create(model=REF, prompt=PROMPT, max_tokens=3, seed=s).choices[0].text
+                for s in range(4)}
+    assert defaults == {greedy}
+    # A request's own fields win over the model's.
+    own = {client.completions.create(model=REF, prompt=PROMPT, max_tokens=3, seed=s, temperature=1.0,
+                                     extra_body={"top_k": 0}).choices[0].text for s in range(4)}
+    assert own != {greedy}
