@@ -174,7 +174,10 @@ IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no eff
 # reasoning_effort, prompt_cache_key, safety_identifier...); Metrics.count_ignored counts them by name.
 COMPLETION_FIELDS = COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix"} | IGNORED
 CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
-               "tools", "tool_choice", "functions", "function_call", "response_format"})
+               "tools", "tool_choice", "functions", "function_call", "response_format", "chat_template_kwargs",
+               "documents"})
+# What the template itself is given (transformers' apply_chat_template arguments): chat_template_kwargs cannot set them.
+TEMPLATE_ARGUMENTS = {"messages", "tools", "documents", "add_generation_prompt"}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -195,7 +198,7 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
     adapter = _adapter(b, model)
     prefix = _prefix(b, model)
     messages = _messages(b.raw.get("messages"))
-    ids = _chat_prompt(messages, model, prefix)
+    ids = _chat_prompt(messages, model, prefix, _template_kwargs(b))
     if adapter == "auto":
         users = [m["content"] for m in messages if m["role"] == "user"]
         adapter = _auto(model, users[-1] if users else messages[-1]["content"], ids)
@@ -396,31 +399,50 @@ def _content(content: Any, where: str) -> str:
     raise bad(f"{where}.content must be a string or an array of text parts, got {json_type(content)}", "messages")
 
 
-def _chat_prompt(messages: list[dict[str, str]], model: ServedModel, prefix: Prefix | None) -> list[int]:
+def _template_kwargs(b: Body) -> dict[str, Any]:
+    """What the request gives the chat template beside the messages: `documents` and `chat_template_kwargs` (e.g.
+    Qwen3's enable_thinking), as vLLM passes them."""
+    extra = b.get("chat_template_kwargs", (dict,), "an object") or {}
+    taken = sorted(TEMPLATE_ARGUMENTS & set(extra))
+    if taken:
+        raise bad(f"chat_template_kwargs cannot set {taken[0]!r}; send it as the request's own field",
+                  "chat_template_kwargs")
+    documents = b.get("documents", (list,), "an array of objects")
+    if documents is not None:
+        if not all(isinstance(d, dict) for d in documents):
+            raise bad("documents must be an array of objects (e.g. {title, text})", "documents")
+        return {**extra, "documents": documents}
+    return dict(extra)
+
+
+def _chat_prompt(messages: list[dict[str, str]], model: ServedModel, prefix: Prefix | None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
     tok = model.tokenizer
     if tok is None or tok.chat_template is None:
         raise bad("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-    model.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+    template_kwargs = template_kwargs or {}
+    extra_chars = len(json.dumps(template_kwargs)) if template_kwargs else 0
+    model.check_text_length(sum(len(m["content"]) for m in messages) + extra_chars, "messages")
     if prefix is not None and prefix.kind == "system":
         # The prefix is the system turn (and the next turn's header): splice the messages in after it.
         if any(m["role"] == "system" for m in messages):
             raise bad(f"prefix {prefix.name!r} is a system prompt; leave the system message out or the prefix",
                       "prefix")
-        ids = _render(tok, [{"role": "system", "content": SYSTEM_PLACEHOLDER}, *messages])
+        ids = _render(tok, [{"role": "system", "content": SYSTEM_PLACEHOLDER}, *messages], template_kwargs)
         head = model.system_head()
         if ids[: len(head)] != head:
             raise bad(f"prefix {prefix.name!r} is a system prompt, which the chat template puts before a user "
                       "message; start the messages with a user message", "messages")
         return prefix.token_ids + ids[len(head) :]
-    ids = _render(tok, messages)
+    ids = _render(tok, messages, template_kwargs)
     return (prefix.token_ids if prefix else []) + ids
 
 
-def _render(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def _render(tok: Tokenizer, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
     import jinja2
 
     try:
-        return tok.encode_chat(messages)
+        return tok.encode_chat(messages, **template_kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
 

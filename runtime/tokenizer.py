@@ -7,9 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
+
+from runtime import chat_template
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _token_text(value: Any) -> str | None:
@@ -49,6 +52,9 @@ class Tokenizer:
             self.chat_template = chat_template.read_text()
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        # What transformers' apply_chat_template shows a template beside the messages (its special_tokens_map).
+        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
+                               if (text := _token_text(config.get(name))) is not None}
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -59,19 +65,20 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """As transformers renders it (runtime/chat_template.py); ``kwargs``: tools, documents and any variable the
+        template reads (a request's chat_template_kwargs)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
-        return _compile_template(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        return chat_template.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
         # The template already writes the special tokens it wants (as HF's apply_chat_template assumes).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=False)
 
     def system_prompt_tokens(self, text: str) -> list[int]:
         """The tokens every chat request whose system message is ``text`` starts with.
@@ -89,22 +96,6 @@ class Tokenizer:
                 break
             common += 1
         return renders[0][:common]
-
-
-_templates: dict[str, jinja2.Template] = {}
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    if source not in _templates:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-        _templates[source] = env.from_string(source)
-    return _templates[source]
 
 
 @dataclass

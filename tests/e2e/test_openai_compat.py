@@ -17,6 +17,7 @@ from runtime import LLM, SamplingParams
 from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot
 
 PROMPT = "Once upon a time"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def greedy_ids(tiny_model_dir) -> list[int]:  # type: ignore[no-untyped-def]
 def model_dir(tiny_model_dir, greedy_ids: list[int], tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
     """The tiny llama with a generation_config.json as real models ship it: one more EOS id (the 4th token of
     PROMPT's greedy continuation, as Llama 3 adds <|eot_id|>) and recommended sampling that is greedy in effect
-    (top_k 1) though its temperature is not 0."""
+    (top_k 1) though its temperature is not 0; and Qwen3's chat template."""
     out = tmp_path_factory.mktemp("gencfg") / "model"
     shutil.copytree(tiny_model_dir("llama"), out)
     config = json.loads((out / "generation_config.json").read_text())
@@ -38,6 +39,9 @@ def model_dir(tiny_model_dir, greedy_ids: list[int], tmp_path_factory: pytest.Te
     assert greedy_ids[3] not in greedy_ids[:3] and greedy_ids[3] != eos  # the 4th token is the first stop
     config.update(eos_token_id=[eos, greedy_ids[3]], do_sample=True, temperature=0.7, top_k=1, top_p=0.9)
     (out / "generation_config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = (FIXTURES / "qwen3.jinja").read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return out
 
 
@@ -132,3 +136,20 @@ def test_generation_config_sampling_applies_to_fields_left_out(client: openai.Op
     own = {client.completions.create(model=REF, prompt=PROMPT, max_tokens=3, seed=s, temperature=1.0,
                                      extra_body={"top_k": 0}).choices[0].text for s in range(4)}
     assert own != {greedy}
+
+
+# -- item 3: chat_template_kwargs and documents reach the template ---------------------------------------------
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    default = client.chat.completions.create(model=REF, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    off = client.chat.completions.create(model=REF, messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    # Qwen3's template writes an empty <think>\n\n</think>\n\n after the generation prompt when thinking is off.
+    assert default.usage is not None and off.usage is not None
+    assert off.usage.prompt_tokens > default.usage.prompt_tokens
+    assert ignored_count(server, "chat_template_kwargs") == 0
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs cannot set 'messages'"):
+        client.chat.completions.create(model=REF, messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
