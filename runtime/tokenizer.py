@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,9 +111,12 @@ class Detokenizer:
     Text that could still turn out to be the start of a stop string is held back until it cannot.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False,
+                 prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)
+        for token_id in _priming_suffix(tokenizer, prompt_ids):
+            self._step(token_id)
         self.stop = stop
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -120,10 +124,7 @@ class Detokenizer:
         self.emitted = 0  # characters of ``text`` already handed out
 
     def add(self, token_id: int) -> TextDelta:
-        try:
-            piece = self.stream.step(self.tokenizer.hf, token_id) or ""
-        except Exception:  # an id the tokenizer lacks (model vocab padded past the tokenizer's)
-            piece = ""
+        piece = self._step(token_id)
         search_from = max(0, len(self.text) - self.hold)
         self.text += piece
         found = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]
@@ -132,6 +133,12 @@ class Detokenizer:
             self.text = self.text[: at + len(s) if self.include_stop else at]
             return TextDelta(self._take(len(self.text)), stopped=True)
         return TextDelta(self._take(len(self.text) - self.hold), stopped=False)
+
+    def _step(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.tokenizer.hf, token_id) or ""
+        except Exception:  # an id the tokenizer lacks (model vocab padded past the tokenizer's)
+            return ""
 
     def flush(self) -> str:
         """The held-back tail, once the request has finished for another reason."""
@@ -142,3 +149,22 @@ class Detokenizer:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
+
+
+def _priming_suffix(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> Sequence[int]:
+    """The prompt tokens a decode stream is primed with, as vLLM primes it: decoded alone, the first token of a
+    stream loses its leading space under SentencePiece's Metaspace decoder (Llama 2, Mistral), so the first
+    generated token must not be the stream's first. The shortest tail of 4 to 23 tokens that decodes to whole
+    characters; the whole prompt when it is shorter than 5 tokens; the last 23 when no tail does (vLLM steps
+    through the whole prompt then, which costs time in proportion to its length)."""
+    if len(prompt_ids) <= 4:
+        return prompt_ids
+    for length in range(4, min(len(prompt_ids) + 1, 24)):
+        tail = prompt_ids[-length:]
+        try:
+            text = tokenizer.hf.decode(list(tail), skip_special_tokens=True)
+        except Exception:  # ids past the tokenizer's vocabulary
+            continue
+        if "\ufffd" not in text:
+            return tail
+    return prompt_ids[-23:]

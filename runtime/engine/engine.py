@@ -196,7 +196,8 @@ class LLMEngine:
         seq = self.make_sequence(prompt, params, request_id, adapter)
         detok = None
         if self.tokenizer is not None:
-            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                seq.prompt_token_ids)
         self.requests[seq.request_id] = (seq, detok)
         self.scheduler.add(seq)
         return seq.request_id

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from runtime import LLM, SamplingParams
+from tests.support.sentencepiece import metaspace_model_dir
 from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot
 
 PROMPT = "Once upon a time"
@@ -101,7 +102,7 @@ def test_unknown_stream_options_are_ignored(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("extra", "param"), [
     ({"temperature": "hot"}, "temperature"),  # known, invalid
     ({"use_beam_search": True}, "use_beam_search"),  # known to vLLM, changes the output, not implemented
-    ({"guided_regex": "[a-z]+"}, "guided_regex"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
 ])
@@ -153,3 +154,40 @@ def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, server: 
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs cannot set 'messages'"):
         client.chat.completions.create(model=REF, messages=messages, max_tokens=1,  # type: ignore[arg-type]
                                        extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+# -- item 5: SentencePiece-style tokenizers keep the first generated token's leading space -----------------------
+
+
+@pytest.fixture(scope="module")
+def metaspace_server(tiny_model_dir,  # type: ignore[no-untyped-def]
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str, str]]:
+    """A server on the tiny llama with a Metaspace tokenizer, a prompt, and what its greedy continuation adds to
+    the decoded text (computed in-process): a prompt whose first generated token is a word with its space."""
+    root = tmp_path_factory.mktemp("metaspace")
+    model = metaspace_model_dir(tiny_model_dir("llama"), root / "model")
+    llm = LLM.from_hf(model, dtype="float32", num_kv_blocks=64)
+    tok = llm.tokenizer
+    for prompt in ("Hello", "Once upon a time", "The weather today is", "Numbers like 12"):
+        ids = tok.encode(prompt)
+        out = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+        if tok.hf.id_to_token(out[0]).startswith("▁"):
+            break
+    else:
+        raise AssertionError("no prompt's first greedy token starts a word")
+    continuation = tok.decode(ids + out)[len(tok.decode(ids)):]
+    assert continuation.startswith(" ")
+    s = ServerProcess(build_tiny_snapshot(model, root), "--num-kv-blocks", "128", "--max-model-len", "256")
+    s.wait_for("ready")
+    yield s, prompt, continuation
+    assert s.stop() == 0
+
+
+def test_sentencepiece_completions_keep_the_first_tokens_space(
+        metaspace_server: tuple[ServerProcess, str, str]) -> None:
+    server, prompt, continuation = metaspace_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    args = {"model": REF, "prompt": prompt, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert client.completions.create(**args).choices[0].text == continuation  # type: ignore[call-overload]
+    chunks = client.completions.create(stream=True, **args)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks) == continuation
