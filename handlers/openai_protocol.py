@@ -70,6 +70,7 @@ class ServedModel:
     kv_room: Callable[[list[int], str | None], int] | None = None
     # The model's generation_config.json sampling (temperature, top_p, top_k, min_p): what a request omitting them gets
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1 (handlers/reasoning.py)
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
     _max_text: int | None = field(default=None, init=False, repr=False)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from handlers.openai_protocol import Generation, ServedModel
+from handlers.reasoning import ReasoningStream, message_fields
 
 if TYPE_CHECKING:
     from runtime.engine.sequence import TokenLogprobs
@@ -32,6 +33,7 @@ class Reply:
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    reasoning: dict[int, ReasoningStream] = field(default_factory=dict)  # --reasoning-parser: per choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         adapter = self.gen.adapter
@@ -43,7 +45,8 @@ class Reply:
     def whole(self, out: RequestOutput) -> dict[str, Any]:
         logprobs = self._logprobs(out.logprobs or []) if self.gen.logprobs is not None else None
         if self.gen.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+            message = {"role": "assistant", **message_fields(self.model.reasoning_parser, out.text)}
+            choice: dict[str, Any] = {"index": 0, "message": message,
                                       "logprobs": logprobs, "finish_reason": out.finish_reason}
             body = self._head("chat.completion")
         else:
@@ -60,7 +63,7 @@ class Reply:
         logprobs = self._logprobs(new_lps) if self.gen.logprobs is not None else None
         reason = out.finish_reason if out.finished else None
         if self.gen.chat:
-            delta: dict[str, Any] = {"content": out.new_text}
+            delta = self._delta(out, 0)
             if first:
                 delta = {"role": "assistant", **delta}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -72,6 +75,14 @@ class Reply:
         if self.gen.include_usage:
             body["usage"] = None
         return body
+
+    def _delta(self, out: RequestOutput, index: int) -> dict[str, Any]:
+        """A chat chunk's delta: the new text, or with --reasoning-parser its new reasoning and content."""
+        parser = self.model.reasoning_parser
+        if parser is None:
+            return {"content": out.new_text}
+        stream = self.reasoning.setdefault(index, ReasoningStream(parser))
+        return stream.delta_fields(out.new_text, out.finished)
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.gen.chat else "text_completion")

@@ -21,6 +21,7 @@ from typing import Any
 
 from handlers.coldstart import Timeline, print_json_line
 from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
+from handlers.reasoning import PARSERS as REASONING_PARSERS
 
 
 def add_command(sub: Any) -> None:
@@ -31,6 +32,8 @@ def add_command(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one")
     serve.add_argument("--served-model-name", help="the model name clients send (default: REF)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                       help="split a reasoning model's <think>...</think> into reasoning_content (as vLLM's parsers)")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--device", type=device_name, default="auto",
                         help="where the engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or "
@@ -107,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None,
                     args.body_timeout_seconds)
-    state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url)
+    state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url,
+                       reasoning_parser=args.reasoning_parser)
 
     def load() -> None:
         load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,

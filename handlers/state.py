@@ -48,6 +48,7 @@ class ServeState:
     service: Service | None = None
     info: dict[str, Any] = field(default_factory=dict)  # snapshot id, prefixes, adapters, pull, engine
     group: TensorParallelGroup | None = None  # rank 0's tensor-parallel group, when there is one
+    reasoning_parser: str | None = None  # chat replies' <think> split out (handlers/reasoning.py)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name, self.timeline)
@@ -152,6 +153,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             select_adapter=engine.select_adapter if summary["adapter_selector"] else None,
             kv_room=engine.kv_room,
             sampling_defaults=dict(engine.generation_defaults.sampling),
+            reasoning_parser=state.reasoning_parser,
         )
         info = {
             "snapshot_id": report.snapshot_id,

@@ -1,6 +1,7 @@
-"""What clients send beyond the sampling fields, through the official `openai` client against a real `warmstart
-serve` process: fields the server ignores (counted in /metrics), fields it refuses, and the model's own
-generation_config.json defaults stored in the snapshot."""
+"""What clients send beyond the sampling fields, through the official `openai` client against real `warmstart
+serve` processes: fields the server ignores (counted in /metrics), fields it refuses, the model's own
+generation_config.json defaults stored in the snapshot, chat_template_kwargs, SentencePiece detokenization and
+--reasoning-parser (issue 21 items 1-5)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -16,6 +18,7 @@ import pytest
 from runtime import LLM, SamplingParams
 from tests.support.sentencepiece import metaspace_model_dir
 from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot
+from tests.support.thinking_model import REPLY_TOKENS, ThinkingModel, thinking_model_dir
 
 PROMPT = "Once upon a time"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
@@ -191,3 +194,44 @@ def test_sentencepiece_completions_keep_the_first_tokens_space(
     assert client.completions.create(**args).choices[0].text == continuation  # type: ignore[call-overload]
     chunks = client.completions.create(stream=True, **args)  # type: ignore[call-overload]
     assert "".join(c.choices[0].text for c in chunks) == continuation
+
+
+# -- item 4: --reasoning-parser ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ThinkingModel]]:
+    root = tmp_path_factory.mktemp("thinking")
+    model = thinking_model_dir(root, [{"role": "user", "content": "What is 7 + 5?"}])
+    s = ServerProcess(build_tiny_snapshot(model.dir, root), "--num-kv-blocks", "128", "--max-model-len", "256",
+                      "--reasoning-parser", "qwen3")
+    s.wait_for("ready")
+    yield s, model
+    assert s.stop() == 0
+
+
+def test_reasoning_parser_splits_the_thinking_out(thinking: tuple[ServerProcess, ThinkingModel]) -> None:
+    server, model = thinking
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    args: dict[str, Any] = {"model": REF, "messages": model.messages, "max_tokens": REPLY_TOKENS, "temperature": 0,
+                            "extra_body": {"ignore_eos": True}}
+    message = client.chat.completions.create(**args).choices[0].message
+    assert getattr(message, "reasoning_content", None) == model.reasoning
+    assert message.content == model.content
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == model.reasoning
+    assert "".join(d.content or "" for d in deltas) == model.content
+    # The completions API has no messages: its text is the model's own.
+    raw = client.completions.create(model=REF, prompt="Hi", max_tokens=2).choices[0]
+    assert not hasattr(raw, "reasoning_content")
+
+
+def test_enable_thinking_false_gives_content_only(thinking: tuple[ServerProcess, ThinkingModel]) -> None:
+    server, model = thinking
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    message = client.chat.completions.create(
+        model=REF, messages=model.messages, max_tokens=REPLY_TOKENS, temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert getattr(message, "reasoning_content", "absent") is None
+    assert message.content and "<think>" not in message.content
