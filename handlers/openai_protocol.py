@@ -13,8 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from handlers.structured_request import FIELDS as STRUCTURED
+from handlers.structured_request import StructuredFieldError, structured_outputs
+
 if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
     from runtime.sampling_params import SamplingParams
+    from runtime.structured_outputs import StructuredOutputsParams
     from runtime.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
@@ -146,7 +150,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v in ("none", "auto"),  # with no tools there is nothing to choose
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: v == {"type": "text"},
     # vLLM's own fields that change what is generated; refused unless they ask for what happens anyway
     "use_beam_search": lambda v: v is False,
     "length_penalty": lambda v: v == 1,
@@ -155,11 +158,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
     "logits_processors": lambda v: v == [],
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
     "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True,
     "return_tokens_as_token_ids": lambda v: v is False,
@@ -173,8 +171,9 @@ SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on what is generated
 # Fields outside every list above are accepted and ignored, as vLLM does (clients and SDKs add fields as they go:
 # reasoning_effort, prompt_cache_key, safety_identifier...); Metrics.count_ignored counts them by name.
-COMPLETION_FIELDS = COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix"} | IGNORED
-CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
+COMPLETION_FIELDS = COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix"} | IGNORED | STRUCTURED
+CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | STRUCTURED | {"messages", "max_completion_tokens",
+               "top_logprobs",
                "tools", "tool_choice", "functions", "function_call", "response_format", "chat_template_kwargs",
                "documents"})
 # What the template itself is given (transformers' apply_chat_template arguments): chat_template_kwargs cannot set them.
@@ -493,6 +492,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
     defaults = model.sampling_defaults
     top_k = b.integer("top_k", int(defaults.get("top_k", 0)), -1)
     assert top_k is not None
+    structured = _structured_outputs(b)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -507,10 +507,18 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             logprobs=logprobs,
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             speculative=b.boolean("speculative", True),
+            structured_outputs=structured,
         )
     except ValueError as e:  # the runtime's own checks: kept as a second line
         raise bad(str(e)) from None
     return Generation(chat, ids, params, stream, include_usage, logprobs, adapter, ignored_fields=b.ignored)
+
+
+def _structured_outputs(b: Body) -> StructuredOutputsParams | None:
+    try:
+        return structured_outputs(b.raw)
+    except StructuredFieldError as e:
+        raise bad(str(e), e.param) from None
 
 
 def _stop(b: Body) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.structured_outputs import StructuredOutputsParams
+
 # vLLM sets no count limit (it keeps the ids as a set and checks them against the vocabulary); real requests
 # send a handful (a model's end-of-turn tokens). 4096 is far above any real use, while checking and hashing
 # that many ids costs well under a millisecond per request.
@@ -24,6 +26,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (the chosen token is always included)
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: never speculate for this request, even when the engine does
+    # What the output must match (a JSON schema, a regex...): decoded under a grammar (runtime/engine/structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +64,8 @@ class SamplingParams:
             fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
             fail("speculative", f"must be true or false, got {self.speculative!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must hold non-empty strings")
         if not isinstance(self.stop_token_ids, list | tuple | set | frozenset):

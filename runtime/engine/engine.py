@@ -21,6 +21,7 @@ from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
+from runtime.engine.structured import GrammarCompiler, compiler_for
 from runtime.generation_config import GenerationDefaults
 from runtime.models.config import ModelConfig
 from runtime.models.model import Collective, Model
@@ -227,12 +228,23 @@ class LLMEngine:
         self._check_fits_pool(token_ids, params.max_tokens)
         seq = Sequence(request_id, list(token_ids), len(token_ids), params)
         seq.stop_token_ids = frozenset(params.stop_token_ids)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammar_compiler().matcher(params.structured_outputs)
         if prefix is not None:
             seq.adapter, seq.num_virtual_tokens = prefix.name, prefix.num_tokens
             seq.virtual_tail_block = prefix.tail_block
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         return seq
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this model's tokenizer (made, and the grammar engine imported, on the
+        first constrained request)."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        if not self.eos_token_ids:
+            raise ValueError("structured outputs need the model's EOS token to end the output; its config has none")
+        return compiler_for(self.tokenizer, self.config.vocab_size, sorted(self.eos_token_ids))
 
     def kv_room(self, token_ids: list[int], adapter: str | None = None) -> int:
         """How many tokens may follow a prompt in the KV pool with every other request gone: admission's bound
@@ -428,6 +440,8 @@ class LLMEngine:
         # adapter are verified only by prompt lookup.
         if seq.adapter is not None and isinstance(self.proposer, DraftProposer):
             return 0
+        if seq.grammar is not None:  # proposals are not checked against its grammar: it never speculates
+            return 0
         return lookahead(seq, self.options.num_speculative_tokens, self.max_model_len)
 
     def _propose(self, batch: ScheduledBatch) -> None:
@@ -458,6 +472,8 @@ class LLMEngine:
         for token, lp in zip(tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             emitted.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             self.generation_tokens += 1
             if lp is not None:
                 seq.logprobs.append(lp)
@@ -498,6 +514,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if token in seq.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.finished:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

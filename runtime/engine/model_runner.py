@@ -21,6 +21,7 @@ from runtime.engine.rejection_sampler import verify
 from runtime.engine.sampler import Sampler
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence, TokenLogprobs
+from runtime.engine.structured import apply_grammar_masks
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.models.model import Model
 
@@ -163,7 +164,14 @@ class ModelRunner:
                 plain_index.append(i)
             row += chunk.num_logits
         if plain:
-            tokens, logprobs = self.sampler(logits[plain_rows], plain)
+            plain_logits = logits[plain_rows]
+            # Structured outputs: the tokens each constrained row's grammar forbids go to -inf.
+            if apply_grammar_masks(plain_logits, [s.grammar for s in plain]):
+                tokens, _ = self.sampler(plain_logits, plain)
+                # The logprobs stay the model's own, as for penalties and biases (vLLM's default).
+                logprobs = self.sampler.logprobs(logits[plain_rows], tokens, [s.params for s in plain])
+            else:
+                tokens, logprobs = self.sampler(plain_logits, plain)
             for i, seq, token, lp in zip(plain_index, plain, tokens, logprobs, strict=True):
                 results[i] = (seq, [token], [lp])
         return [results[i] for i in sorted(results)]

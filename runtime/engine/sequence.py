@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.engine.structured import GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -66,6 +70,8 @@ class Sequence:
     spec_probs: torch.Tensor | None = None
     draft_computed: int = 0
     spec_k: int | None = None  # this sequence's own number of proposals, when adapted to its acceptance
+    # Structured outputs: the request's position in its grammar, which masks its logits (runtime/engine/structured.py).
+    grammar: GrammarMatcher | None = None
 
     NO_BLOCK = -1
 
