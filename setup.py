@@ -1,6 +1,6 @@
-"""The one compiled part: decode attention's C kernel (runtime/kernels/cpu_attention.c). Everything else is in
-pyproject.toml. Optional: without a C compiler the install still succeeds and runtime/layers/attention.py uses its
-PyTorch path."""
+"""The compiled parts: decode attention's C kernel (runtime/kernels/cpu_attention.c) and the fused small ops
+(runtime/kernels/cpu_small_ops.c). Everything else is in pyproject.toml. Optional: without a C compiler the install
+still succeeds and runtime/layers/ uses its PyTorch paths."""
 
 from setuptools import Extension, setup
 
@@ -12,6 +12,14 @@ setup(
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
-        )
+        ),
+        Extension(  # the small ops between the CPU path's matmuls, fused (runtime/kernels/cpu_small_ops.py)
+            "runtime.kernels._cpu_small_ops",
+            sources=["runtime/kernels/cpu_small_ops.c"],
+            # no fused multiply-add: the kernels round where their PyTorch references do
+            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
     ]
 )

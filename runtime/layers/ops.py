@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime.kernels import cpu_small_ops as small_ops
 from runtime.layers import attention
 from runtime.layers.activation import silu_and_mul
 from runtime.layers.attention import AttentionMetadata
@@ -58,28 +59,40 @@ class Ops(Protocol):
 class TorchOps:
     name = "torch"
 
-    def __init__(self, decode_kernel: bool = False) -> None:
+    def __init__(self, decode_kernel: bool = False, small_ops_kernel: bool = False) -> None:
         self.decode_kernel = decode_kernel  # decode attention on runtime/kernels/cpu_attention.c
+        self.small_ops_kernel = small_ops_kernel  # norms, rotary, SiLU-and-mul on runtime/kernels/cpu_small_ops.c
 
     @property
     def ragged_decode(self) -> bool:
         return self.decode_kernel
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.small_ops_kernel and x.dtype == weight.dtype and small_ops.fits(x, x.shape[-1]):
+            return small_ops.rms_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (self.small_ops_kernel and x.dim() == 2 and x.dtype == residual.dtype == weight.dtype
+                and small_ops.fits(x, x.shape[-1])):
+            return small_ops.add_rms_norm(x, residual, weight, eps)
         return add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_ops_kernel and x.dim() == 2 and small_ops.fits(x, x.shape[-1] // 2):
+            return small_ops.silu_and_mul(x)
         return silu_and_mul(x)
 
     def rotary_args(self, tables: RotaryTables, positions: torch.Tensor) -> Any:
+        if self.small_ops_kernel and small_ops.fits(tables.cos, tables.cos.shape[-1]):
+            return small_ops.rotary_args(tables.cos, tables.sin, positions)
         return tables.lookup(positions)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(args) == 3:  # rotary_args chose the kernel: (cos table, sin table, positions)
+            return small_ops.rotary(q, k, args)
         return apply_rotary(q, k, *args)
 
     def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -106,7 +119,7 @@ def select_ops(
         raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         kernel = attention_shape is not None and attention.decode_kernel_serves(device, dtype, *attention_shape)
-        return TorchOps(decode_kernel=kernel)
+        return TorchOps(decode_kernel=kernel, small_ops_kernel=small_ops.small_ops_kernel_serves(device, dtype))
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{KERNELS_ENV}=triton on the CPU runs the kernels under Triton's interpreter: also set "

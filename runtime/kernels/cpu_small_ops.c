@@ -1,0 +1,178 @@
+/* The small ops between the CPU path's matmuls, fused: RMSNorm (with the residual add), rotary in place, and
+ * SiLU-and-mul (runtime/kernels/cpu_small_ops.py calls them; runtime/layers/{norm,rotary,activation}.py are
+ * the PyTorch references they are tested against).
+ *
+ * In PyTorch each of these is several elementwise ops over the whole [tokens, hidden] batch, each one a pass
+ * over memory and, in bfloat16, a round trip through float32; a prefill spent about half its time there. Here
+ * each row is read once and written once, its arithmetic in float32, rounded to bfloat16 exactly where the
+ * reference rounds (after each op), so the results equal the reference's bit for bit except where a reduction
+ * (the norm's sum of squares) or expf adds in another order: at most one unit in the last place.
+ * Built with -ffp-contract=off: a fused multiply-add would round differently from the reference's mul + add.
+ * Rows are spread over OpenMP threads (torch's libgomp, as cpu_attention.c).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIM 16384
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Round a float32 to the model dtype and back: what storing an intermediate result in that dtype does. */
+static inline float round_to(float f, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static inline void load(const void *src, int64_t i, int bf16, float *dst, int64_t n) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src + i;
+        for (int64_t d = 0; d < n; d++) dst[d] = bf16_to_f32(s[d]);
+    } else {
+        memcpy(dst, (const float *)src + i, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store(void *dst, int64_t i, int bf16, const float *src, int64_t n) {
+    if (bf16) {
+        uint16_t *o = (uint16_t *)dst + i;
+        for (int64_t d = 0; d < n; d++) o[d] = f32_to_bf16(src[d]);
+    } else {
+        memcpy((float *)dst + i, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* out = weight * to_dtype(s * rsqrt(mean(s^2) + eps)) for s = x (+ residual, rounded to the dtype, also written
+ * to sum_out). One row. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void norm_row(void *out, void *sum_out, const void *x, const void *residual, const void *weight, int64_t row,
+                     int64_t x_stride, int64_t dim, float eps, int bf16) {
+    float s[MAX_DIM], w[MAX_DIM];
+    load(x, row * x_stride, bf16, s, dim);
+    if (residual) {
+        float r[MAX_DIM];
+        load(residual, row * dim, bf16, r, dim);
+        for (int64_t d = 0; d < dim; d++) s[d] = round_to(r[d] + s[d], bf16);
+        store(sum_out, row * dim, bf16, s, dim);
+    }
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t d = 0; d < dim; d++) sq += s[d] * s[d];
+    const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+    load(weight, 0, bf16, w, dim);
+    for (int64_t d = 0; d < dim; d++) s[d] = w[d] * round_to(s[d] * inv, bf16);
+    store(out, row * dim, bf16, s, dim);
+}
+
+/* One head of one token, in place: x * cos + rotate_half(x) * sin, each product and the sum rounded. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void rotate_head(void *x, int64_t offset, const float *c, const float *s, int64_t head_dim, int bf16) {
+    float v[MAX_DIM], o[MAX_DIM];
+    const int64_t half = head_dim / 2;
+    load(x, offset, bf16, v, head_dim);
+    for (int64_t d = 0; d < half; d++)
+        o[d] = round_to(round_to(v[d] * c[d], bf16) + round_to(-v[d + half] * s[d], bf16), bf16);
+    for (int64_t d = half; d < head_dim; d++)
+        o[d] = round_to(round_to(v[d] * c[d], bf16) + round_to(v[d - half] * s[d], bf16), bf16);
+    store(x, offset, bf16, o, head_dim);
+}
+
+/* out[row] = to_dtype(silu(gate)) * up, the product rounded, for x[row] = [gate | up]. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void silu_mul_row(void *out, const void *x, int64_t row, int64_t width, int bf16) {
+    float g[MAX_DIM], u[MAX_DIM];
+    load(x, row * 2 * width, bf16, g, width);
+    load(x, row * 2 * width + width, bf16, u, width);
+    for (int64_t d = 0; d < width; d++) g[d] = round_to(g[d] / (1.0f + expf(-g[d])), bf16) * u[d];
+    store(out, row * width, bf16, g, width);
+}
+
+/* Few rows are not worth waking the other threads for. */
+static int threads_for(int64_t rows, int64_t row_elems, int num_threads) {
+    return rows * row_elems < 32768 ? 1 : num_threads;
+}
+
+static PyObject *rms_norm(PyObject *self, PyObject *args) {
+    unsigned long long out, sum_out, x, residual, weight;
+    long long rows, x_stride, dim;
+    float eps;
+    int bf16, num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLfii", &out, &sum_out, &x, &residual, &weight, &rows, &x_stride, &dim,
+                          &eps, &bf16, &num_threads))
+        return NULL;
+    if (dim > MAX_DIM) return PyErr_Format(PyExc_ValueError, "rms_norm: dim %lld > %d", dim, MAX_DIM);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, dim, num_threads))
+    for (int64_t r = 0; r < rows; r++)
+        norm_row((void *)out, (void *)sum_out, (const void *)x, (const void *)residual, (const void *)weight, r,
+                 x_stride, dim, eps, bf16);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *rotary(PyObject *self, PyObject *args) {
+    unsigned long long q, k, cos_table, sin_table, positions;
+    long long tokens, q_stride, k_stride, q_heads, k_heads, head_dim;
+    int bf16, num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLii", &q, &k, &cos_table, &sin_table, &positions, &tokens, &q_stride,
+                          &k_stride, &q_heads, &k_heads, &head_dim, &bf16, &num_threads))
+        return NULL;
+    if (head_dim > MAX_DIM || head_dim % 2) return PyErr_Format(PyExc_ValueError, "rotary: head_dim %lld", head_dim);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(threads_for(tokens, (q_heads + k_heads) * head_dim, num_threads))
+    for (int64_t t = 0; t < tokens; t++) {
+        float c[MAX_DIM], s[MAX_DIM];
+        const int64_t p = ((const int64_t *)positions)[t];
+        load((const void *)cos_table, p * head_dim, bf16, c, head_dim);
+        load((const void *)sin_table, p * head_dim, bf16, s, head_dim);
+        for (int64_t h = 0; h < q_heads; h++) rotate_head((void *)q, t * q_stride + h * head_dim, c, s, head_dim, bf16);
+        for (int64_t h = 0; h < k_heads; h++) rotate_head((void *)k, t * k_stride + h * head_dim, c, s, head_dim, bf16);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *silu_and_mul(PyObject *self, PyObject *args) {
+    unsigned long long out, x;
+    long long rows, width;
+    int bf16, num_threads;
+    if (!PyArg_ParseTuple(args, "KKLLii", &out, &x, &rows, &width, &bf16, &num_threads)) return NULL;
+    if (width > MAX_DIM) return PyErr_Format(PyExc_ValueError, "silu_and_mul: width %lld > %d", width, MAX_DIM);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, width, num_threads))
+    for (int64_t r = 0; r < rows; r++) silu_mul_row((void *)out, (const void *)x, r, width, bf16);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm", rms_norm, METH_VARARGS,
+     "rms_norm(out, sum_out, x, residual, weight, rows, x_stride, dim, eps, bf16, num_threads); residual 0: none"},
+    {"rotary", rotary, METH_VARARGS,
+     "rotary(q, k, cos, sin, positions, tokens, q_stride, k_stride, q_heads, k_heads, head_dim, bf16, num_threads)"},
+    {"silu_and_mul", silu_and_mul, METH_VARARGS, "silu_and_mul(out, x, rows, width, bf16, num_threads)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_small_ops", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_small_ops(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "MAX_DIM", MAX_DIM) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
