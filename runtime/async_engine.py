@@ -119,6 +119,8 @@ class AsyncLLM:
                         self._stop(RuntimeError("it was shut down"))
                         return
                     fn, future = item
+                    if not future.set_running_or_notify_cancel():
+                        continue  # its caller was cancelled (a client gone): nothing to do, nobody to tell
                     try:
                         future.set_result(fn())
                     except Exception as e:  # the caller's error (a bad request), not the engine's
