@@ -1,8 +1,9 @@
 """The Starlette app: routes, the optional API key, the body limit, and OpenAI-style bodies for every error.
 
 Routes: GET /health (503 until the engine is ready, then 200), GET /status (the cold-start timeline and
-what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions;
-and SageMaker's container contract: GET /ping (as /health) and POST /invocations (a chat completion).
+what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/responses, POST /tokenize, POST /detokenize; and SageMaker's container contract: GET /ping (as /health)
+and POST /invocations (a chat completion). Every response has an X-Request-Id (see handlers.middleware).
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from typing import TYPE_CHECKING, Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from handlers import responses_api, tokenize_api
+from handlers.coldstart import print_json_line
 from handlers.generate import ClientGone
 from handlers.metrics import CONTENT_TYPE
+from handlers.middleware import RequestContext, add_cors
 from handlers.openai_protocol import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
+from handlers.prompt_batch import serve_prompts, split_prompts
 from handlers.state import Limits, ServeState
 
 if TYPE_CHECKING:
@@ -56,20 +61,58 @@ def create_app(state: ServeState) -> Starlette:
         if state.service is not None:
             entry["created"] = state.service.model.created
             entry["max_model_len"] = state.service.model.max_model_len
-        # Adapters as vLLM lists LoRA adapters: a model entry each, whose parent is the base.
-        adapters = [{**entry, "id": f"{state.model_name}:{a['name']}", "parent": state.model_name,
+        # Adapters as vLLM lists LoRA adapters: a model entry each, by its bare name, whose parent is the base.
+        adapters = [{**entry, "id": a["name"], "parent": state.model_name,
                      "virtual_tokens": a["virtual_tokens"]} for a in state.info.get("adapters", [])]
         return JSONResponse({"object": "list", "data": [entry, *adapters]})
 
-    async def generate(request: Request, parse: Parser) -> Response:
+    async def generate(request: Request, parse: Parser, raw: bytes | None = None) -> Response:
         service = state.ready_service()
         state.timeline.mark("first_request")
-        raw = await read_body(request, state.limits)
+        raw = await read_body(request, state.limits) if raw is None else raw
         # Parsing and tokenizing run in a thread, counted against the queue limit meanwhile.
         return await service.respond(functools.partial(_parse_request, raw, parse, service.model), request.receive)
 
     async def completions(request: Request) -> Response:
-        return await generate(request, parse_completion)
+        service = state.ready_service()
+        raw = await read_body(request, state.limits)
+        several = await asyncio.get_running_loop().run_in_executor(service.tokenizing,
+                                                                   lambda: split_prompts(parse_json(raw)))
+        if several is None:
+            return await generate(request, parse_completion, raw)
+        state.timeline.mark("first_request")
+
+        async def one(body: dict[str, Any], receive: Receive) -> Response:
+            return await service.respond(functools.partial(parse_completion, body, service.model), receive)
+
+        return await serve_prompts(several, one, request.receive)
+
+    async def responses(request: Request) -> Response:
+        service = state.ready_service()
+        state.timeline.mark("first_request")
+        raw = await read_body(request, state.limits)
+        calls: list[responses_api.ResponsesCall] = []
+
+        def prepare() -> Generation:
+            calls.append(responses_api.to_chat(parse_json(raw)))
+            return parse_chat(calls[0].chat, service.model)
+
+        reply = await service.respond(prepare, request.receive)
+        call, name = calls[0], service.model.name
+        if isinstance(reply, StreamingResponse):
+            reply.body_iterator = responses_api.events(call, call.model or name, reply.body_iterator)
+            return reply
+        return JSONResponse(responses_api.whole(call, json.loads(bytes(reply.body))))
+
+    def tokenizing(work: Callable[[Any, ServedModel], dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            service = state.ready_service()
+            raw = await read_body(request, state.limits)
+            body = await asyncio.get_running_loop().run_in_executor(
+                service.tokenizing, lambda: work(parse_json(raw), service.model))
+            return JSONResponse(body)
+
+        return endpoint
 
     async def chat(request: Request) -> Response:
         return await generate(request, parse_chat)
@@ -81,6 +124,9 @@ def create_app(state: ServeState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/tokenize", tokenizing(tokenize_api.tokenize), methods=["POST"]),
+        Route("/detokenize", tokenizing(tokenize_api.detokenize), methods=["POST"]),
         Route("/ping", health, methods=["GET"]),
         Route("/invocations", chat, methods=["POST"]),
     ]
@@ -91,8 +137,11 @@ def create_app(state: ServeState) -> Starlette:
         Exception: _server_error,
     }
     app = Starlette(routes=routes, exception_handlers=handlers)
+    # The last added runs first: request ids around everything, CORS preflights answered before the key check.
     if state.limits.api_key:
         app.add_middleware(BearerAuth, key=state.limits.api_key)
+    add_cors(app, state.limits.allowed_origins)
+    app.add_middleware(RequestContext, log=print_json_line if state.limits.access_log else None)
     return app
 
 

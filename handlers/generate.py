@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from handlers.coldstart import Timeline
 from handlers.metrics import Metrics
+from handlers.middleware import record_usage
 from handlers.openai_protocol import APIError, Generation, ServedModel, bad
 from handlers.openai_responses import SSE_DONE, Reply, sse
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from runtime.outputs import RequestOutput
 
 T = TypeVar("T")
+
+SSE_PING = b": ping\n\n"  # an SSE comment: clients skip it, proxies and load balancers see the stream alive
 
 
 class ClientGone(Exception):
@@ -43,13 +46,14 @@ class Service:
     """The ready engine and what serving it needs; one per process."""
 
     def __init__(self, llm: AsyncLLM, model: ServedModel, metrics: Metrics, timeline: Timeline,
-                 max_running: int, max_queue: int) -> None:
+                 max_running: int, max_queue: int, ping_s: float = 15.0) -> None:
         self.llm = llm
         self.model = model
         self.metrics = metrics
         self.timeline = timeline
         self.max_running = max_running
         self.max_queue = max_queue
+        self.ping_s = ping_s  # a stream idle this long gets an SSE comment, so proxies keep it open
         self.in_flight = 0  # requests being tokenized, waiting or running
         self.cut = False  # set once a shutdown's grace period is over: what still runs ends with an error
         # Tokenizing releases the GIL there (see runtime.tokenizer), so a long prompt stalls no stream.
@@ -73,7 +77,8 @@ class Service:
         self.metrics.count_ignored(gen.ignored_fields)
         run = _Run(self, gen, f"{'chatcmpl' if gen.chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
-            first = await until_disconnected(run.next(), receive)
+            # A stream whose first token is slow to come (queued behind others) starts without it, and pings.
+            first = await until_disconnected(run.poll(self.ping_s) if gen.stream else run.next(), receive)
         except BaseException as e:
             await run.close()
             if isinstance(e, ValueError):  # the engine's own checks, should ours have missed one
@@ -84,6 +89,7 @@ class Service:
         reply = Reply(gen, self.model, run.request_id)
         if gen.stream:
             return EventStream(run, reply, first)
+        assert first is not None
         try:
             last = await until_disconnected(run.rest(first), receive)
         except EngineDeadError as e:
@@ -114,6 +120,7 @@ class _Run:
         self.last: RequestOutput | None = None
         self.last_at: float | None = None
         self.closed = False
+        self.pending: asyncio.Future[RequestOutput] | None = None  # the next output, while poll waits for it
 
     async def next(self) -> RequestOutput:
         if self.service.cut:
@@ -132,6 +139,16 @@ class _Run:
         self.last = out
         return out
 
+    async def poll(self, timeout: float) -> RequestOutput | None:
+        """The next output, or None if it has not come within ``timeout`` seconds (it is still awaited)."""
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.next())
+        done, _ = await asyncio.wait({self.pending}, timeout=timeout)
+        if not done:
+            return None
+        task, self.pending = self.pending, None
+        return task.result()
+
     async def rest(self, out: RequestOutput) -> RequestOutput:
         while not out.finished:
             out = await self.next()
@@ -143,8 +160,13 @@ class _Run:
             return
         self.closed = True
         self.service.in_flight -= 1
+        if self.pending is not None:  # the stream cannot be closed while a step of it runs
+            self.pending.cancel()
+            await asyncio.gather(self.pending, return_exceptions=True)
         await self.stream.aclose()
         out = self.last
+        if out is not None:
+            record_usage(out)
         ts = out.timestamps if out else None
         if out is None or ts is None:
             return
@@ -158,7 +180,7 @@ class EventStream(StreamingResponse):
     """SSE chunks as tokens arrive, then `data: [DONE]`. Starlette cancels the stream when the client goes
     away; the request is then aborted, and closed here whatever happened."""
 
-    def __init__(self, run: _Run, reply: Reply, first: RequestOutput) -> None:
+    def __init__(self, run: _Run, reply: Reply, first: RequestOutput | None) -> None:
         self.run = run
         self.reply = reply
         self.first = first
@@ -170,17 +192,24 @@ class EventStream(StreamingResponse):
 
         out, first = self.first, True
         while True:
+            while out is None:
+                try:
+                    out = await self.run.poll(self.run.service.ping_s)
+                except EngineDeadError as e:  # the status line is long gone: say it in the stream
+                    yield sse(self.run.service.unavailable(e).body())
+                    return
+                except ValueError as e:  # the engine's own checks, on a stream that started before its first token
+                    yield sse(bad(str(e)).body())
+                    return
+                if out is None:
+                    yield SSE_PING
             chunk = self.reply.chunk(out, first)
             first = False
             if chunk is not None:
                 yield sse(chunk)
             if out.finished:
                 break
-            try:
-                out = await self.run.next()
-            except EngineDeadError as e:  # the status line is long gone: say it in the stream
-                yield sse(self.run.service.unavailable(e).body())
-                return
+            out = None
         if self.reply.gen.include_usage:
             yield sse(self.reply.usage_chunk(out))
         yield SSE_DONE

@@ -280,19 +280,14 @@ def json_type(value: Any) -> str:
 
 
 def _adapter(b: Body, model: ServedModel) -> str | None:
-    """The adapter a request names, by "adapter" or as "model": "BASE:NAME" (vLLM's LoRA addressing);
-    also checks that the model is the one served."""
-    requested = b.string("model")
+    """The adapter a request names, by "adapter" or in "model" (see _adapter_in_model); also checks that the
+    model is the one served."""
     named = b.string("adapter")
-    base, colon, in_model = (requested or "").partition(":")
-    if requested is not None and (base if colon else requested) not in (model.name, model.snapshot_id):
-        raise APIError(404, f"model {requested[:80]!r} is not served here; this server serves {model.name!r}"
-                       + (f" with adapters {', '.join(sorted(model.adapters))}" if model.adapters else ""),
-                       param="model", code="model_not_found")
-    if colon and named is not None and named != in_model:
+    in_model = _adapter_in_model(b.string("model"), model)
+    if in_model is not None and named is not None and named != in_model:
         raise bad(f"the request names adapter {in_model[:80]!r} in model and {named[:80]!r} in adapter; name one",
                   "adapter")
-    name = named if named is not None else (in_model if colon else None)
+    name = named if named is not None else in_model
     if name is None or name in model.adapters or (name == "auto" and model.select_adapter is not None):
         return name
     known = ", ".join(sorted(model.adapters)) or "none"
@@ -300,8 +295,23 @@ def _adapter(b: Body, model: ServedModel) -> str | None:
         why = "adapter 'auto' needs a snapshot built with --adapter-examples"
     else:
         why = f"unknown adapter {name[:80]!r}"
-    raise APIError(404, f"{why}; this snapshot's adapters: {known}", param="model" if colon else "adapter",
+    raise APIError(404, f"{why}; this snapshot's adapters: {known}", param="adapter" if named is not None else "model",
                    code="adapter_not_found")
+
+
+def _adapter_in_model(requested: str | None, model: ServedModel) -> str | None:
+    """The adapter "model" names as vLLM addresses LoRA adapters, by its bare name, or as "BASE:NAME"; None for the
+    base model (its served name or snapshot id, even one holding a colon); a 404 for a model not served here."""
+    if requested is None or requested in (model.name, model.snapshot_id):
+        return None
+    if requested in model.adapters:
+        return requested
+    base, colon, name = requested.partition(":")
+    if colon and base in (model.name, model.snapshot_id):
+        return name
+    raise APIError(404, f"model {requested[:80]!r} is not served here; this server serves {model.name!r}"
+                   + (f" with adapters {', '.join(sorted(model.adapters))}" if model.adapters else ""),
+                   param="model", code="model_not_found")
 
 
 def _auto(model: ServedModel, query: str | list[Any], ids: list[int]) -> str:

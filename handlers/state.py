@@ -34,6 +34,9 @@ class Limits:
     max_body_bytes: int = 2 << 20
     api_key: str | None = None
     body_timeout_s: float = 30.0  # a request body not all arrived by then is a 408
+    sse_ping_s: float = 15.0  # an SSE stream idle this long gets a `: ping` comment
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any); none: no CORS headers
+    access_log: bool = False  # one JSON line per request on stdout (the serve command turns it on)
 
 
 @dataclass
@@ -75,7 +78,7 @@ class ServeState:
         engine = llm.engine
         self.info = info
         self.service = Service(llm, model, self.metrics, self.timeline, engine.options.max_num_seqs,
-                               self.limits.max_queue)
+                               self.limits.max_queue, self.limits.sse_ping_s)
         self.status = "ready"
 
     def fail(self, message: str) -> None:

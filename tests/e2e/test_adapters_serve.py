@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from starlette.testclient import TestClient
 
@@ -23,7 +24,7 @@ from runtime import LLM, SamplingParams
 from snapshot.loader import load
 from tests.handlers.test_cli_snapshot import last_json, warmstart
 from tests.support.peft_reference import make_adapter
-from tests.support.serving import AUTH, ServerProcess, TinySnapshot, error_of, ready_state
+from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, error_of, ready_state
 
 TOPICS = {
     "cooking": "salt pepper oven bake flour sugar butter onion garlic soup bread dinner",
@@ -84,7 +85,7 @@ def completion(prompt: list[int], **extra: Any) -> dict[str, Any]:
 
 def test_models_status_and_inspect_list_the_adapters(client: TestClient, snap: TinySnapshot) -> None:
     models = client.get("/v1/models").json()["data"]
-    assert [m["id"] for m in models] == ["tiny", "tiny:cooking", "tiny:finance", "tiny:travel"]
+    assert [m["id"] for m in models] == ["tiny", "cooking", "finance", "travel"]  # vLLM's LoRA entries
     assert all(m["parent"] == "tiny" for m in models[1:]) and models[2]["virtual_tokens"] == 20
     status = client.get("/status").json()
     assert {a["name"]: (a["virtual_tokens"], a["wasted_slots"]) for a in status["adapters"]} == {
@@ -97,10 +98,10 @@ def test_models_status_and_inspect_list_the_adapters(client: TestClient, snap: T
     assert "adapter finance (PREFIX_TUNING): 20 virtual tokens, 12 KV slots of padding" in text
 
 
-@pytest.mark.parametrize("how", ["adapter", "model"])
+@pytest.mark.parametrize("how", ["adapter", "model", "bare"])
 def test_a_request_names_its_adapter(client: TestClient, reference: LLM, how: str) -> None:
     prompt = [5, 17, 99, 4, 250, 31]
-    named = {"adapter": "finance"} if how == "adapter" else {"model": "tiny:finance"}
+    named = {"adapter": {"adapter": "finance"}, "model": {"model": "tiny:finance"}, "bare": {"model": "finance"}}[how]
     body = client.post("/v1/completions", json=completion(prompt, **named)).json()
     want = reference.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
                               adapter="finance")[0]
@@ -140,6 +141,9 @@ def test_the_adapter_field_streams_and_chats(client: TestClient) -> None:
     ({"adapter": "baking"}, 404, "unknown adapter 'baking'; this snapshot's adapters: cooking, finance, travel"),
     ({"model": "tiny:baking"}, 404, "unknown adapter 'baking'; this snapshot's adapters: cooking, finance, travel"),
     ({"model": "other:cooking"}, 404, "model 'other:cooking' is not served here"),
+    ({"model": "baking"}, 404, "model 'baking' is not served here; this server serves 'tiny' with adapters cooking, "
+                               "finance, travel"),
+    ({"model": "cooking", "adapter": "travel"}, 400, "name one"),
     ({"model": "tiny:cooking", "adapter": "travel"}, 400, "name one"),
     ({"adapter": 3}, 400, "adapter"),
 ])
@@ -180,12 +184,33 @@ def test_real_server_serves_adapters_over_the_wire(snap: TinySnapshot) -> None:
     try:
         server.wait_for("ready")
         with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
-            assert [m["id"] for m in http.get("/v1/models").json()["data"]][1:] == \
-                ["tiny:cooking", "tiny:finance", "tiny:travel"]
+            models = http.get("/v1/models").json()["data"]
+            assert [(m["id"], m.get("parent")) for m in models] == \
+                [("tiny", None), ("cooking", "tiny"), ("finance", "tiny"), ("travel", "tiny")]
             body = http.post("/v1/completions", json={"prompt": "bake bread with butter and sugar",
                                                       "max_tokens": 3, "adapter": "auto"}).json()
             assert body["adapter"] == "cooking" and body["model"] == "tiny:cooking"
             r = http.post("/v1/completions", json=completion([1, 2], model="tiny:nope"))
             assert r.status_code == 404 and "cooking, finance, travel" in r.text
+        # The official client, naming the adapter by the id /v1/models gave it, as with vLLM's LoRA adapters.
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        prompt = [5, 17, 99, 4, 250, 31]
+        bare = client.completions.create(model="finance", prompt=prompt, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        named = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True, "adapter": "finance"})
+        base = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert bare.choices[0].text == named.choices[0].text != base.choices[0].text
+        assert [m.id for m in client.models.list()] == ["tiny", "cooking", "finance", "travel"]
     finally:
         assert server.stop() == 0
+
+
+def test_a_served_name_with_a_colon_is_the_base_model() -> None:
+    model = ServedModel("llama3:8b", "0" * 32, None, vocab_size=100, max_model_len=32, kv_cache_tokens=1000,
+                        adapters={"sql": 4})
+    assert parse_completion(completion([1, 2], model="llama3:8b"), model).adapter is None
+    assert parse_completion(completion([1, 2], model="sql"), model).adapter == "sql"
+    with pytest.raises(APIError, match="'llama3' is not served here"):
+        parse_completion(completion([1, 2], model="llama3"), model)

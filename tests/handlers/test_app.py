@@ -208,7 +208,7 @@ LONG = list(range(5, 305))  # 300 tokens: more than max_model_len 256
          "stream"),
         ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+        ("/v1/completions", {"prompt": ["a", [1, 2]]}, 400, "prompt", "all strings or all arrays of token ids"),
         ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "[0, 1000)"),
         ("/v1/completions", {"prompt": LONG}, 400, "prompt", "300 tokens"),
         ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens", "300 in all"),
