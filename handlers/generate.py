@@ -118,6 +118,8 @@ class _Run:
         self.stream = cast(AsyncGenerator["RequestOutput", None],
                            service.llm.generate(gen.prompt_ids, gen.params, request_id, gen.adapter))
         self.last: RequestOutput | None = None
+        self.num_choices = gen.params.n
+        self.num_finished = 0  # choices
         self.last_at: float | None = None
         self.closed = False
         self.pending: asyncio.Future[RequestOutput] | None = None  # the next output, while poll waits for it
@@ -128,6 +130,7 @@ class _Run:
 
             raise EngineDeadError("the server is shutting down")
         out = await anext(self.stream)
+        self.num_finished += out.finished
         now = time.monotonic()
         if out.new_token_ids:
             if self.last_at is None:
@@ -149,10 +152,15 @@ class _Run:
         task, self.pending = self.pending, None
         return task.result()
 
-    async def rest(self, out: RequestOutput) -> RequestOutput:
-        while not out.finished:
+    async def rest(self, out: RequestOutput) -> list[RequestOutput]:
+        """Every choice's final output (one per index: params.n of them), from ``out`` on."""
+        finals: dict[int, RequestOutput] = {}
+        while True:
+            if out.finished:
+                finals[out.index] = out
+            if len(finals) == self.num_choices:
+                return [finals[i] for i in sorted(finals)]
             out = await self.next()
-        return out
 
     async def close(self) -> None:
         """Give back the slot and abort the request unless it finished; safe to call more than once."""
@@ -207,7 +215,7 @@ class EventStream(StreamingResponse):
             first = False
             if chunk is not None:
                 yield sse(chunk)
-            if out.finished:
+            if self.run.num_finished == self.run.num_choices:
                 break
             out = None
         if self.reply.gen.include_usage:

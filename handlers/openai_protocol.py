@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from handlers.sampling_controls import FieldError, choices, sampling_controls
 from handlers.structured_request import FIELDS as STRUCTURED
 from handlers.structured_request import StructuredFieldError, structured_outputs
 
@@ -131,6 +132,8 @@ class Generation:
     logprobs: int | None = None  # top-n alternatives asked for per token; None: no logprobs
     adapter: str | None = None
     ignored_fields: list[str] = field(default_factory=list)  # fields of the body this server ignored
+    n: int = 1  # choices returned (params.n are generated: best_of, the best n kept by cumulative logprob)
+    echo: str | None = None  # completions with echo: the prompt's text, before each choice's
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -138,13 +141,6 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "logprobs", "adapter", "speculative"}
 # Known fields whose effect is not implemented: accepted only at the value that changes nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "frequency_penalty": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
-    "min_tokens": lambda v: v == 0,
-    "best_of": lambda v: v == 1,
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v in ("none", "auto"),  # with no tools there is nothing to choose
@@ -153,7 +149,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     # vLLM's own fields that change what is generated; refused unless they ask for what happens anyway
     "use_beam_search": lambda v: v is False,
     "length_penalty": lambda v: v == 1,
-    "bad_words": lambda v: v == [],
     "allowed_token_ids": lambda v: False,
     "prompt_logprobs": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
@@ -167,7 +162,9 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
 }
-SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+# Checked by handlers.sampling_controls.
+SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                    "bad_words"}
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on what is generated
 # Fields outside every list above are accepted and ignored, as vLLM does (clients and SDKs add fields as they go:
 # reasoning_effort, prompt_cache_key, safety_identifier...); Metrics.count_ignored counts them by name.
@@ -190,7 +187,21 @@ def parse_completion(body: Any, model: ServedModel) -> Generation:
         prompt = b.raw["prompt"]
         adapter = _auto(model, prompt if isinstance(prompt, str | list) else "", ids)
     logprobs = b.integer("logprobs", None, 0, MAX_LOGPROBS)
-    return _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt", adapter=adapter)
+    gen = _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt", adapter=adapter)
+    if b.boolean("echo", False):
+        gen.echo = _echo_text(b.raw.get("prompt"), ids, model, logprobs)
+    return gen
+
+
+def _echo_text(prompt: Any, ids: list[int], model: ServedModel, logprobs: int | None) -> str:
+    if logprobs is not None:
+        raise bad("echo with logprobs is not supported by this server (the prompt's logprobs are not computed); "
+                  "leave out one of them", "echo")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return model.tokenizer.decode(ids, skip_special_tokens=False) if model.tokenizer is not None else ""
 
 
 def parse_chat(body: Any, model: ServedModel) -> Generation:
@@ -461,9 +472,6 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             prompt_param: str, adapter: str | None) -> Generation:
     from runtime.sampling_params import SamplingParams
 
-    n = b.integer("n", 1, 1)
-    if n != 1:
-        raise bad(f"n must be 1 (one choice per request) for now, got {n}; send separate requests", "n")
     b.string("user")
     stream = b.boolean("stream", False)
     options = b.get("stream_options", (dict,), "an object")
@@ -504,6 +512,13 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
     assert top_k is not None
     structured = _structured_outputs(b)
     try:
+        n, best_of = choices(b.raw, stream, chat)
+        controls = sampling_controls(b.raw, max_tokens, model.vocab_size, model.tokenizer)
+    except FieldError as e:
+        raise bad(str(e), e.param) from None
+    # best_of ranks the choices by their tokens' logprobs; the reply shows them only where asked (gen.logprobs)
+    ranked = 0 if best_of > n and logprobs is None else logprobs
+    try:
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=b.number("temperature", defaults.get("temperature", 1.0), 0.0, 100.0),
@@ -514,14 +529,16 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             stop=_stop(b),
             stop_token_ids=_stop_token_ids(b, model.vocab_size),
             ignore_eos=b.boolean("ignore_eos", False),
-            logprobs=logprobs,
+            logprobs=ranked,
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             speculative=b.boolean("speculative", True),
             structured_outputs=structured,
+            n=best_of,
+            **controls,
         )
     except ValueError as e:  # the runtime's own checks: kept as a second line
         raise bad(str(e)) from None
-    return Generation(chat, ids, params, stream, include_usage, logprobs, adapter, ignored_fields=b.ignored)
+    return Generation(chat, ids, params, stream, include_usage, logprobs, adapter, ignored_fields=b.ignored, n=n)
 
 
 def _structured_outputs(b: Body) -> StructuredOutputsParams | None:

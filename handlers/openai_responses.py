@@ -18,10 +18,20 @@ if TYPE_CHECKING:
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(out: RequestOutput | list[RequestOutput]) -> dict[str, Any]:
+    """The prompt once (the choices of n > 1 share its computation), and every choice's generated tokens."""
+    outs = out if isinstance(out, list) else [out]
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens}}
+
+
+def best(outs: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The n choices of highest cumulative logprob (best_of; vLLM's ranking), best first; all of them, in
+    index order, when there are no more than n."""
+    if len(outs) <= n:
+        return sorted(outs, key=lambda o: o.index)
+    return sorted(outs, key=lambda o: -sum(lp.logprob for lp in o.logprobs or []))[:n]
 
 
 @dataclass
@@ -32,7 +42,10 @@ class Reply:
     model: ServedModel
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    text_offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs, per choice: where the
+    # next token's text starts
+    started: set[int] = field(default_factory=set)  # the choices whose first chunk is out
+    finals: dict[int, RequestOutput] = field(default_factory=dict)  # streamed choices that finished
     reasoning: dict[int, ReasoningStream] = field(default_factory=dict)  # --reasoning-parser: per choice
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -42,34 +55,45 @@ class Reply:
                 "system_fingerprint": self.model.snapshot_id}
         return head if adapter is None else {**head, "adapter": adapter}
 
-    def whole(self, out: RequestOutput) -> dict[str, Any]:
-        logprobs = self._logprobs(out.logprobs or []) if self.gen.logprobs is not None else None
+    def whole(self, outs: RequestOutput | list[RequestOutput]) -> dict[str, Any]:
+        """The response to the finished choices ``outs`` (one output per choice, or the only one)."""
+        outs = outs if isinstance(outs, list) else [outs]
+        choices = [self._choice(i, out) for i, out in enumerate(best(outs, self.gen.n))]
+        body = self._head("chat.completion" if self.gen.chat else "text_completion")
+        return {**body, "choices": choices, "usage": usage(outs)}
+
+    def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        logprobs = self._logprobs(out.logprobs or [], index) if self.gen.logprobs is not None else None
         if self.gen.chat:
             message = {"role": "assistant", **message_fields(self.model.reasoning_parser, out.text)}
-            choice: dict[str, Any] = {"index": 0, "message": message,
-                                      "logprobs": logprobs, "finish_reason": out.finish_reason}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-            body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": usage(out)}
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason}
+        text = (self.gen.echo or "") + out.text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
     def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any] | None:
-        """The SSE chunk for what ``out`` adds, or None when it adds nothing a client would see."""
+        """The SSE chunk for what ``out`` adds, or None when it adds nothing a client would see. ``first``: the
+        request's first output; each choice's first chunk is sent whatever it holds (n > 1: per index)."""
+        first = out.index not in self.started
+        self.started.add(out.index)
+        if out.finished:
+            self.finals[out.index] = out
         new = out.new_token_ids
         new_lps = (out.logprobs or [])[len(out.token_ids) - len(new) :] if self.gen.logprobs is not None else []
         if not (out.new_text or new_lps or out.finished or first):
             return None
-        logprobs = self._logprobs(new_lps) if self.gen.logprobs is not None else None
+        logprobs = self._logprobs(new_lps, out.index) if self.gen.logprobs is not None else None
         reason = out.finish_reason if out.finished else None
         if self.gen.chat:
-            delta = self._delta(out, 0)
+            delta = self._delta(out, out.index)
             if first:
                 delta = {"role": "assistant", **delta}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": out.index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason}
+            text = (self.gen.echo or "") + out.new_text if first else out.new_text
+            choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         if self.gen.include_usage:
@@ -85,10 +109,11 @@ class Reply:
         return stream.delta_fields(out.new_text, out.finished)
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        """The usage of every choice streamed (``out``, the last output, when none was recorded)."""
         body = self._head("chat.completion.chunk" if self.gen.chat else "text_completion")
-        return {**body, "choices": [], "usage": usage(out)}
+        return {**body, "choices": [], "usage": usage([self.finals[i] for i in sorted(self.finals)] or out)}
 
-    def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+    def _logprobs(self, lps: list[TokenLogprobs], index: int = 0) -> dict[str, Any]:
         text = self.model.token_text
         if self.gen.chat:
             def entry(token_id: int, lp: float) -> dict[str, Any]:
@@ -99,9 +124,11 @@ class Reply:
                                  "top_logprobs": [entry(t, v) for t, v in _ranked(lp.top)]} for lp in lps]}
         tokens = [text(lp.token_id) for lp in lps]
         offsets = []
+        offset = self.text_offsets.get(index, 0)
         for s in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(s)
+            offsets.append(offset)
+            offset += len(s)
+        self.text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
                 "top_logprobs": [{text(t): _finite(v) for t, v in _ranked(lp.top)} for lp in lps],
                 "text_offset": offsets}

@@ -44,7 +44,8 @@ class AsyncLLM:
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, adapter: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield an output each time the request gains tokens; the last one has ``finished`` set.
+        """Yield an output each time the request gains tokens; the last one has ``finished`` set. With
+        ``params.n`` > 1, each output is of choice ``index``, until every choice has finished.
 
         Leaving the iteration early (a client that went away) aborts the request and frees its blocks.
         """
@@ -59,12 +60,14 @@ class AsyncLLM:
 
         rid = await self._call(add)
         finished = False
+        unfinished = params.n  # choices: each output says its index
         try:
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
+                finished = unfinished == 0
                 yield item
         finally:
             with self._lock:

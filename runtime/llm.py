@@ -84,6 +84,9 @@ class LLM:
         adapters = [adapter] * len(prompt_list) if adapter is None or isinstance(adapter, str) else list(adapter)
         if len(adapters) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(adapters)} adapters")
+        if any(p.n != 1 for p in param_list if isinstance(p, SamplingParams)):
+            raise ValueError("LLM.generate returns one output per prompt: n must be 1 (AsyncLLM.generate and "
+                             "LLMEngine.add_request serve n > 1, an output per choice)")
         requests = list(zip(prompt_list, param_list, adapters, strict=True))
         for i, (prompt, p, a) in enumerate(requests):
             try:

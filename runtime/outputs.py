@@ -21,6 +21,7 @@ class RequestOutput:
     new_text: str = ""
     timestamps: Timestamps | None = None
     adapter: str | None = None  # the adapter that served the request
+    index: int = 0  # which of the request's n choices (SamplingParams.n) this output is of
 
 
 @dataclass

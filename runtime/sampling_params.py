@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.structured_outputs import StructuredOutputsParams
@@ -10,6 +11,7 @@ from runtime.structured_outputs import StructuredOutputsParams
 # send a handful (a model's end-of-turn tokens). 4096 is far above any real use, while checking and hashing
 # that many ids costs well under a millisecond per request.
 MAX_STOP_TOKEN_IDS = 4096
+MAX_N = 64  # choices per request: each is a sequence of the batch
 
 
 @dataclass
@@ -28,11 +30,26 @@ class SamplingParams:
     speculative: bool = True  # False: never speculate for this request, even when the engine does
     # What the output must match (a JSON schema, a regex...): decoded under a grammar (runtime/engine/structured.py).
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1  # choices generated from the prompt, computed once (see LLMEngine.add_request)
+    # Logits processing (runtime/engine/penalties.py, vLLM's semantics).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (which depends on the tokens before each position, so
+        such a request is never speculated: see speculative.lookahead)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -43,7 +60,7 @@ class SamplingParams:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"SamplingParams.{name} {why}")
 
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 fail(name, f"must be a number, got {value!r}")
@@ -74,3 +91,27 @@ class SamplingParams:
             fail("stop_token_ids", f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are supported")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must hold non-negative integers")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        self._validate_processing(fail)
+
+    def _validate_processing(self, fail: Callable[[str, str], None]) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                fail(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or any(
+            not isinstance(t, int) or t < 0 or isinstance(b, bool) or not isinstance(b, int | float)
+            or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
+        ):  # fmt: skip
+            fail("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if not isinstance(self.bad_words_token_ids, list) or any(
+            not isinstance(w, list) or not w or any(not isinstance(t, int) or t < 0 for t in w)
+            for w in self.bad_words_token_ids
+        ):  # fmt: skip
+            fail("bad_words_token_ids", "must be a list of non-empty lists of non-negative token ids")

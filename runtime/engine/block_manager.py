@@ -151,6 +151,25 @@ class BlockManager:
                 self.register(block, block_hash, tokens, parent)
             parent = block_hash
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give ``child`` the KV of ``parent``'s computed tokens: its full blocks shared (one more reference
+        each), its partial last block copied into a block of the child's own before the next step (both will
+        write their next tokens there). False, changing nothing, when no block is free for the copy."""
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and not self.free:
+            return False
+        shared = parent.block_table[:full]
+        for block in shared:
+            if block != Sequence.NO_BLOCK:
+                self._take(block)
+        child.block_table = list(shared)
+        if partial:
+            child.block_table += self.take_free(1)
+            self.pending_copies.append((parent.block_table[full], child.block_table[full]))
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_computed_tokens = parent.num_computed_tokens
+        return True
+
     def free_seq(self, seq: Sequence) -> None:
         """Release every block; tail first, so a shared head stays cached longest."""
         for block in reversed(seq.block_table):

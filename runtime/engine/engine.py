@@ -19,7 +19,7 @@ from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from runtime.engine.device import cuda_memory, resolve_device
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
-from runtime.engine.sequence import Sequence, TokenLogprobs
+from runtime.engine.sequence import Sequence, Status, Timestamps, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.engine.structured import GrammarCompiler, compiler_for
 from runtime.generation_config import GenerationDefaults
@@ -195,13 +195,34 @@ class LLMEngine:
 
         ``adapter``: a loaded adapter's name, "auto" to let the selector choose, or None for the base model."""
         seq = self.make_sequence(prompt, params, request_id, adapter)
-        detok = None
-        if self.tokenizer is not None:
-            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                seq.prompt_token_ids)
-        self.requests[seq.request_id] = (seq, detok)
+        for choice in [seq, *self._choices(seq)]:
+            detok = None
+            if self.tokenizer is not None:
+                detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                    seq.prompt_token_ids)
+            self.requests[choice.request_id] = (choice, detok)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _choices(self, seq: Sequence) -> list[Sequence]:
+        """For n > 1: choices 1..n-1 of ``seq``'s request, waiting in seq.forks for its prompt to be computed.
+        Each draws from its own generator: seed + index when the request has a seed."""
+        p = seq.params
+        if p.n == 1:
+            return []
+        seq.choice_of = seq.request_id
+        for k in range(1, p.n):
+            child = Sequence(f"{seq.request_id}#{k}", list(seq.token_ids), seq.num_prompt_tokens, p,
+                             stop_token_ids=seq.stop_token_ids, min_tokens_banned=seq.min_tokens_banned,
+                             timestamps=Timestamps(seq.timestamps.arrival), adapter=seq.adapter,
+                             num_virtual_tokens=seq.num_virtual_tokens, virtual_tail_block=seq.virtual_tail_block,
+                             index=k, choice_of=seq.request_id, forked_from=seq)
+            if p.seed is not None:
+                child.generator = torch.Generator().manual_seed((p.seed + k) % 2**64)
+            if seq.grammar is not None:  # structured outputs: each choice advances its own matcher
+                child.grammar = seq.grammar.fork()
+            seq.forks.append(child)
+        return seq.forks
 
     def make_sequence(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, adapter: str | None = None
@@ -210,7 +231,7 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self.requests or f"{request_id}#1" in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         vocab = self.config.vocab_size
@@ -230,12 +251,23 @@ class LLMEngine:
         seq.stop_token_ids = frozenset(params.stop_token_ids)
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_compiler().matcher(params.structured_outputs)
+        self._check_processing_ids(params)
+        if params.min_tokens:
+            seq.min_tokens_banned = seq.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if prefix is not None:
             seq.adapter, seq.num_virtual_tokens = prefix.name, prefix.num_tokens
             seq.virtual_tail_block = prefix.tail_block
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         return seq
+
+    def _check_processing_ids(self, params: SamplingParams) -> None:
+        vocab = self.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                          ("bad_words_token_ids", [t for w in params.bad_words_token_ids for t in w])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
 
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured outputs' compiler for this model's tokenizer (made, and the grammar engine imported, on the
@@ -320,8 +352,20 @@ class LLMEngine:
         if entry is None:
             return None
         seq, detok = entry
-        self.scheduler.finish(seq, "abort")
+        for k in range(1, seq.params.n):  # the other choices of an n > 1 request go with it
+            choice = self.requests.pop(f"{request_id}#{k}", None)
+            if choice is not None:
+                self._finish_choice(choice[0], "abort")
+        self._finish_choice(seq, "abort")
         return self._output(seq, detok, [], detok.flush() if detok else "")
+
+    def _finish_choice(self, seq: Sequence, reason: str) -> None:
+        if seq.forked_from is not None:  # never scheduled: it waits for its parent's prompt
+            seq.forked_from.forks.remove(seq)
+            seq.forked_from = None
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+        else:
+            self.scheduler.finish(seq, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -433,7 +477,26 @@ class LLMEngine:
                 if self.proposer is not None:
                     self.blocks.trim(seq)  # slots reserved for proposals that did not come
         now = time.monotonic()
+        for seq, _, _ in results:
+            if seq.forked_from is not None:
+                self._fork(seq, now)
         return [self._emit(seq, tokens, logprobs, now) for seq, tokens, logprobs in results]
+
+    def _fork(self, child: Sequence, now: float) -> None:
+        """Start a choice whose first token was just sampled from its parent's prompt: sharing the prompt's
+        full KV blocks and a copy of its partial last one, or (no block free for the copy) queued to compute
+        what the prefix cache does not hold, as a preempted sequence is."""
+        parent = child.forked_from
+        assert parent is not None
+        parent.forks.remove(child)
+        child.forked_from = None
+        child.timestamps.scheduled = now
+        if self.blocks.fork(parent, child):
+            child.status = Status.RUNNING
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.running.append(child)
+        else:
+            self.scheduler.waiting.appendleft(child)
 
     def _lookahead(self, seq: Sequence) -> int:
         # The draft model holds no adapter's KV (adapters are compiled for the target), so requests behind an
@@ -488,7 +551,7 @@ class LLMEngine:
         if seq.spec_token_ids:
             self._settle_speculation(seq, len(tokens), len(emitted))
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._finish_choice(seq, reason)
             del self.requests[seq.request_id]
             if detok is not None and not stopped:
                 text += detok.flush()
@@ -529,7 +592,8 @@ class LLMEngine:
         if detok is not None:
             text = detok.text[: detok.emitted]
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.choice_of or seq.request_id,
+            index=seq.index,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=text,

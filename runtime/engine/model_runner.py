@@ -162,6 +162,11 @@ class ModelRunner:
                 plain.append(seq)
                 plain_rows.append(row)
                 plain_index.append(i)
+                for fork in seq.forks:  # only before its first token, so this row is the prompt's last
+                    # n > 1: the other choices draw their first token from the same row (the prompt computed once)
+                    plain.append(fork)
+                    plain_rows.append(row)
+                    plain_index.append(len(batch.seqs) + len(plain))
             row += chunk.num_logits
         if plain:
             plain_logits = logits[plain_rows]

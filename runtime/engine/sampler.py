@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.penalties import adjust_logits
 from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.sampling_params import SamplingParams
 
@@ -25,13 +26,15 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row; the logprobs are the model's own, before penalties and biases (vLLM's default)."""
         params = [s.params for s in seqs]
-        tokens = logits.argmax(dim=-1)
+        adjusted = adjust_logits(logits, seqs)
+        tokens = adjusted.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
             sampled_seqs = [seqs[i] for i in sampled_rows]
-            tokens[rows] = self.draw(self.probs(logits[rows], [p.params for p in sampled_seqs]), sampled_seqs)
+            tokens[rows] = self.draw(self.probs(adjusted[rows], [p.params for p in sampled_seqs]), sampled_seqs)
         token_list: list[int] = tokens.tolist()
         return token_list, self.logprobs(logits, token_list, params)
 

@@ -47,6 +47,8 @@ class Sequence:
     status: Status = Status.WAITING
     # params.stop_token_ids as a set, fixed at admission: checked for every generated token.
     stop_token_ids: frozenset[int] = frozenset()
+    # What params.min_tokens bans until reached: the stop token ids and (unless ignore_eos) the model's EOS.
+    min_tokens_banned: frozenset[int] = frozenset()
     num_computed_tokens: int = 0
     # Block ids in position order; NO_BLOCK where a sliding window let the block go.
     block_table: list[int] = field(default_factory=list)
@@ -72,6 +74,13 @@ class Sequence:
     spec_k: int | None = None  # this sequence's own number of proposals, when adapted to its acceptance
     # Structured outputs: the request's position in its grammar, which masks its logits (runtime/engine/structured.py).
     grammar: GrammarMatcher | None = None
+    # n > 1: choice ``index`` of request ``choice_of``. Choices 1.. wait in the first one's ``forks`` (out of the
+    # scheduler, ``forked_from`` set) until its prompt is computed; then they sample their first token from
+    # the same logits and share its KV blocks (LLMEngine._fork).
+    index: int = 0
+    choice_of: str | None = None
+    forks: list[Sequence] = field(default_factory=list)
+    forked_from: Sequence | None = None
 
     NO_BLOCK = -1
 

@@ -39,7 +39,8 @@ class SpecStats:
 def lookahead(seq: Sequence, k: int, max_model_len: int) -> int:
     """How many proposals are worth verifying for a decoding sequence: none past its max_tokens or the
     context (the last proposal sits at position num_tokens - 1 + k)."""
-    if not seq.params.speculative:
+    # Penalized rows depend on every token before them; choices of n > 1 share blocks the draft model would write.
+    if not seq.params.speculative or seq.params.processes_logits or seq.params.n > 1:
         return 0
     k = min(k, seq.spec_k or k)
     return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens))

@@ -68,9 +68,15 @@ SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "prefix": mostly(st.sampled_from(["assistant", "doc"]), st.just("nope")),
     "user": mostly(text, st.integers()),
     "frequency_penalty": mostly(st.just(0), st.floats(-2, 2)),
+    "presence_penalty": mostly(st.floats(-2, 2), st.floats(-5, 5) | st.just("x")),
+    "repetition_penalty": mostly(st.floats(0.5, 2), st.floats(-1, 3)),
+    "logit_bias": mostly(st.dictionaries(st.integers(0, 999).map(str), st.floats(-100, 100), max_size=3),
+                         st.dictionaries(st.text(max_size=3), st.floats(-200, 200) | st.text(), max_size=3)),
+    "min_tokens": mostly(st.integers(0, 4), st.integers(-2, 10**6)),
+    "bad_words": mostly(st.lists(st.text(min_size=1, max_size=4), max_size=3), st.lists(st.integers(), max_size=2)),
 }
 COMPLETION = {**SAMPLING, "logprobs": mostly(st.integers(0, 5), st.integers(-1, 30) | st.booleans()),
-              "echo": mostly(st.just(False), st.just(True))}
+              "echo": mostly(st.just(False), st.just(True)), "best_of": mostly(st.integers(1, 3), st.integers(-1, 50))}
 CHAT = {**SAMPLING, "max_completion_tokens": mostly(st.integers(1, 8), st.integers(-1, 10**6)),
         "logprobs": mostly(st.booleans(), st.integers(0, 5)), "top_logprobs": mostly(st.integers(0, 5),
                                                                                      st.integers(-1, 30)),
