@@ -95,3 +95,16 @@ def test_unseeded_choices_differ(llama_dir: pathlib.Path) -> None:
     e.add_request(PROMPT, params(None, n=3), "r")
     got = run(e)
     assert len({tuple(got["r", k].token_ids) for k in range(3)}) == 3
+
+
+def test_choices_survive_preemption_with_the_same_tokens(llama_dir: pathlib.Path) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=20, ignore_eos=True)
+    roomy = engine(llama_dir)
+    roomy.add_request(PROMPT, seeded, "r")
+    want = run(roomy)
+
+    tight = engine(llama_dir, num_kv_blocks=8)  # 3 choices of 41 tokens need 3 * 6 blocks, less the shared 2
+    tight.add_request(PROMPT, seeded, "r")
+    got = run(tight)
+    assert tight.scheduler.num_preemptions > 0
+    assert [got["r", k].token_ids for k in range(3)] == [want["r", k].token_ids for k in range(3)]
