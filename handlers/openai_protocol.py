@@ -513,7 +513,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
     structured = _structured_outputs(b)
     try:
         n, best_of = choices(b.raw, stream, chat)
-        controls = sampling_controls(b.raw, max_tokens, model.vocab_size, model.tokenizer)
+        controls = sampling_controls(b.raw, max_tokens, model.vocab_size, model.tokenizer, defaults)
     except FieldError as e:
         raise bad(str(e), e.param) from None
     # best_of ranks the choices by their tokens' logprobs; the reply shows them only where asked (gen.logprobs)

@@ -40,13 +40,16 @@ def _integer(raw: dict[str, Any], name: str, default: int, lo: int, hi: int) -> 
     return value
 
 
-def sampling_controls(raw: dict[str, Any], max_tokens: int, vocab_size: int,
-                      tokenizer: Tokenizer | None) -> dict[str, Any]:  # fmt: skip
-    """SamplingParams' keyword arguments for the penalties, logit_bias, min_tokens and bad_words of ``raw``."""
+def sampling_controls(raw: dict[str, Any], max_tokens: int, vocab_size: int, tokenizer: Tokenizer | None,
+                      defaults: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """SamplingParams' keyword arguments for the penalties, logit_bias, min_tokens and bad_words of ``raw``.
+    ``defaults``: the model's generation_config sampling, whose repetition_penalty a request that leaves it out
+    gets (as vLLM's --generation-config auto)."""
+    repetition = (defaults or {}).get("repetition_penalty", 1.0)
     return {
         "presence_penalty": _number(raw, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(raw, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _number(raw, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        "repetition_penalty": _number(raw, "repetition_penalty", repetition, 0.0, 2.0, lo_open=True),
         "logit_bias": _logit_bias(raw.get("logit_bias"), vocab_size),
         "min_tokens": _integer(raw, "min_tokens", 0, 0, max_tokens),
         "bad_words_token_ids": _bad_words(raw.get("bad_words"), tokenizer),
