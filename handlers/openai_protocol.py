@@ -189,14 +189,12 @@ def parse_completion(body: Any, model: ServedModel) -> Generation:
     logprobs = b.integer("logprobs", None, 0, MAX_LOGPROBS)
     gen = _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt", adapter=adapter)
     if b.boolean("echo", False):
-        gen.echo = _echo_text(b.raw.get("prompt"), ids, model, logprobs)
+        gen.echo = _echo_text(b.raw.get("prompt"), ids, model)
+        gen.params.prompt_logprobs = logprobs  # the echoed prompt's logprobs, where asked
     return gen
 
 
-def _echo_text(prompt: Any, ids: list[int], model: ServedModel, logprobs: int | None) -> str:
-    if logprobs is not None:
-        raise bad("echo with logprobs is not supported by this server (the prompt's logprobs are not computed); "
-                  "leave out one of them", "echo")
+def _echo_text(prompt: Any, ids: list[int], model: ServedModel) -> str:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):

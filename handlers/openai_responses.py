@@ -63,7 +63,7 @@ class Reply:
         return {**body, "choices": choices, "usage": usage(outs)}
 
     def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
-        logprobs = self._logprobs(out.logprobs or [], index) if self.gen.logprobs is not None else None
+        logprobs = self._with_echo(out, index, out.logprobs or [], True)
         if self.gen.chat:
             message = {"role": "assistant", **message_fields(self.model.reasoning_parser, out.text)}
             return {"index": index, "message": message, "logprobs": logprobs,
@@ -82,7 +82,7 @@ class Reply:
         new_lps = (out.logprobs or [])[len(out.token_ids) - len(new) :] if self.gen.logprobs is not None else []
         if not (out.new_text or new_lps or out.finished or first):
             return None
-        logprobs = self._logprobs(new_lps, out.index) if self.gen.logprobs is not None else None
+        logprobs = self._with_echo(out, out.index, new_lps, first)
         reason = out.finish_reason if out.finished else None
         if self.gen.chat:
             delta = self._delta(out, out.index)
@@ -99,6 +99,34 @@ class Reply:
         if self.gen.include_usage:
             body["usage"] = None
         return body
+
+    def _with_echo(self, out: RequestOutput, index: int, lps: list[TokenLogprobs],
+                   first: bool) -> dict[str, Any] | None:  # fmt: skip
+        """The logprobs of ``lps``, behind the prompt's on a completion's first chunk when it echoes the prompt."""
+        if self.gen.logprobs is None:
+            return None
+        if self.gen.chat or self.gen.echo is None or not first:
+            return self._logprobs(lps, index)
+        head = self._prompt_logprobs(out, index)
+        body = self._logprobs(lps, index)
+        return {key: head[key] + body[key] for key in body}
+
+    def _prompt_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any]:
+        """Completions' logprobs of the echoed prompt: none for its first token (nothing came before it)."""
+        text = self.model.token_text
+        entries = out.prompt_logprobs or []
+        tokens = [text(t) for t in out.prompt_token_ids]
+        offsets = []
+        offset = self.text_offsets.get(index, 0)
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        self.text_offsets[index] = offset
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in entries],
+                "top_logprobs": [None if lp is None else {text(t): _finite(v) for t, v in _ranked(lp.top)}
+                                 for lp in entries],
+                "text_offset": offsets}
 
     def _delta(self, out: RequestOutput, index: int) -> dict[str, Any]:
         """A chat chunk's delta: the new text, or with --reasoning-parser its new reasoning and content."""

@@ -22,6 +22,7 @@ class RequestOutput:
     timestamps: Timestamps | None = None
     adapter: str | None = None  # the adapter that served the request
     index: int = 0  # which of the request's n choices (SamplingParams.n) this output is of
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs; None first
 
 
 @dataclass

@@ -31,6 +31,7 @@ class SamplingParams:
     # What the output must match (a JSON schema, a regex...): decoded under a grammar (runtime/engine/structured.py).
     structured_outputs: StructuredOutputsParams | None = None
     n: int = 1  # choices generated from the prompt, computed once (see LLMEngine.add_request)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (runtime/engine/prompt_logprobs.py)
     # Logits processing (runtime/engine/penalties.py, vLLM's semantics).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -93,6 +94,11 @@ class SamplingParams:
             fail("stop_token_ids", "must hold non-negative integers")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             fail("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+            and 0 <= self.prompt_logprobs <= 20
+        ):  # fmt: skip
+            fail("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         self._validate_processing(fail)
 
     def _validate_processing(self, fail: Callable[[str, str], None]) -> None:

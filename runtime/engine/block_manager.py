@@ -106,6 +106,9 @@ class BlockManager:
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         hit_blocks, hit_hashes = self.find_cached_prefix(seq.token_ids)
+        if seq.params.prompt_logprobs is not None:  # a cached position has no logits: only adapters' blocks
+            keep = seq.num_virtual_tokens // self.block_size
+            hit_blocks, hit_hashes = hit_blocks[:keep], hit_hashes[:keep]
         num_hit_tokens = len(hit_blocks) * self.block_size
         # An adapter's partial tail block is copied, not shared: its slots are part of the sequence's own block.
         tail = seq.num_virtual_tokens - num_hit_tokens if seq.virtual_tail_block is not None else 0

@@ -491,6 +491,7 @@ class LLMEngine:
         parent.forks.remove(child)
         child.forked_from = None
         child.timestamps.scheduled = now
+        child.prompt_logprobs = parent.prompt_logprobs  # complete: the parent's prompt is computed
         if self.blocks.fork(parent, child):
             child.status = Status.RUNNING
             child.num_cached_tokens = parent.num_cached_tokens
@@ -594,6 +595,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.choice_of or seq.request_id,
             index=seq.index,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=text,

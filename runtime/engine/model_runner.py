@@ -17,6 +17,7 @@ from runtime.engine.cuda_graphs import (
     GraphBackend,
     batch_sizes_for,
 )
+from runtime.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logits
 from runtime.engine.rejection_sampler import verify
 from runtime.engine.sampler import Sampler
 from runtime.engine.scheduler import ScheduledBatch
@@ -147,7 +148,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids = seq.token_ids[start : start + n]
             ids += seq.spec_token_ids[: n - len(ids)]
-            num_logits = n if seq.spec_token_ids else int(start + n == seq.num_tokens)
+            every = seq.spec_token_ids or wants_prompt_logits(seq, start)
+            num_logits = n if every else int(start + n == seq.num_tokens)
             chunks.append(Chunk(seq.block_table, ids, start, num_logits, as_decode_rows=bool(seq.spec_token_ids)))
         logits = self.forward(chunks, batch.block_copies).cpu()  # the sampler works on the host
         plain: list[Sequence] = []
@@ -159,14 +161,15 @@ class ModelRunner:
             if seq.spec_token_ids:
                 results[i] = (seq, *verify(self.sampler, logits[row : row + chunk.num_logits], seq))
             elif chunk.num_logits:
-                plain.append(seq)
-                plain_rows.append(row)
-                plain_index.append(i)
-                for fork in seq.forks:  # only before its first token, so this row is the prompt's last
-                    # n > 1: the other choices draw their first token from the same row (the prompt computed once)
-                    plain.append(fork)
-                    plain_rows.append(row)
-                    plain_index.append(len(batch.seqs) + len(plain))
+                if wants_prompt_logits(seq, chunk.start):
+                    record_prompt_logprobs(seq, chunk.start, logits[row : row + chunk.num_logits])
+                if chunk.start + len(chunk.token_ids) == seq.num_tokens:  # the last known token: sample
+                    last = row + chunk.num_logits - 1
+                    for s in [seq, *seq.forks]:  # forks: only before its first token, so this row is the prompt's
+                        # last; n > 1: the other choices draw their first token from it (the prompt computed once)
+                        plain.append(s)
+                        plain_rows.append(last)
+                        plain_index.append(i if s is seq else len(batch.seqs) + len(plain))
             row += chunk.num_logits
         if plain:
             plain_logits = logits[plain_rows]

@@ -81,6 +81,8 @@ class Sequence:
     choice_of: str | None = None
     forks: list[Sequence] = field(default_factory=list)
     forked_from: Sequence | None = None
+    # params.prompt_logprobs: one entry per prompt token (after virtual ones), None for the first
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     NO_BLOCK = -1
 

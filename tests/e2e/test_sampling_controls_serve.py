@@ -129,6 +129,22 @@ def test_echo_prepends_the_prompt_whole_and_streamed(client: openai.OpenAI) -> N
     assert streamed == whole
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs_first(client: openai.OpenAI, tok: Tokenizer) -> None:
+    prompt = [5, 9, 300, 301, 302]
+    plain = complete(client, prompt=prompt, max_tokens=4, logprobs=2)
+    echoed = complete(client, prompt=prompt, max_tokens=4, logprobs=2, echo=True)
+    lp, own = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert echoed.choices[0].text == tok.decode(prompt) + plain.choices[0].text
+    assert lp.tokens[:5] == [tok.decode([t]) for t in prompt] and lp.tokens[5:] == own.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:5])
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.token_logprobs[5:] == pytest.approx(own.token_logprobs, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = list(complete(client, prompt=prompt, max_tokens=4, logprobs=2, echo=True, stream=True))
+    assert [t for c in streamed for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])] == lp.tokens
+
+
 def prompt_tokens_computed(server: ServerProcess) -> float:
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     match = re.search(r"^warmstart:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M)
@@ -187,7 +203,6 @@ def test_best_of_keeps_the_choice_of_highest_cumulative_logprob(client: openai.O
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"min_tokens": 7}, "min_tokens"),
     ({"bad_words": [""]}, "bad_words"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"n": 2, "best_of": 1}, "best_of"),
     ({"best_of": 2, "stream": True}, "best_of"),
     ({"n": 0}, "n"),
