@@ -9,11 +9,13 @@
 - bad_words: a banned sequence's last token is banned wherever the output ends with the rest of it.
 The bans come first, then logit_bias, then the penalties (on the biased logits).
 
-Each kind is one tensor operation over the rows that use it; Python only walks each row's token lists (to
-build the padded index tensors), never the vocabulary.
+Each kind is one tensor operation over the rows that use it, on the (row, token) slots their tokens name: the
+work grows with the tokens, never with the vocabulary, and Python only lists each row's tokens.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -25,7 +27,7 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     row asks for any (a new tensor otherwise)."""
     if not any(s.params.processes_logits for s in seqs):
         return logits
-    x = logits.clone()
+    x = logits.clone(memory_format=torch.contiguous_format)  # viewed flat below
     # vLLM's order (v1 Sampler): bans, then logit_bias, then the penalties over the biased logits.
     _bans(x, seqs)
     _logit_bias(x, seqs)
@@ -34,41 +36,43 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return x
 
 
-def _rows_where(wanted: list[bool]) -> list[int]:
-    return [i for i, w in enumerate(wanted) if w]
+def _token_slots(token_lists: list[tuple[int, list[int]]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of (row, tokens) lists, as flat indexes row * vocab + token into the
+    logits, and how many times each occurs. Work in the number of tokens, not the vocabulary."""
+    flat = array("q", [row * vocab + t for row, tokens in token_lists for t in tokens])
+    if not flat:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    return torch.unique(torch.frombuffer(flat, dtype=torch.long), return_counts=True)
 
 
-def _occurrence_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
-    """[len(token_lists), vocab]: how many times each token appears in each list."""
-    width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab + 1)  # the extra column takes the padding
-    if width:
-        ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
-        for i, tokens in enumerate(token_lists):
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        counts.scatter_add_(1, ids, torch.ones(ids.shape))
-    return counts[:, :vocab]
+def _per_slot(values: list[float], slots: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each slot's row's value."""
+    return torch.tensor(values, dtype=dtype)[slots // vocab]
 
 
 def _repetition(x: torch.Tensor, seqs: list[Sequence]) -> None:
-    rows = _rows_where([s.params.repetition_penalty != 1.0 for s in seqs])
-    if not rows:
+    vocab = x.shape[1]
+    slots, _ = _token_slots([(i, s.token_ids[s.num_virtual_tokens :]) for i, s in enumerate(seqs)
+                             if s.params.repetition_penalty != 1.0], vocab)
+    if not len(slots):
         return
-    seen = _occurrence_counts([seqs[i].token_ids[seqs[i].num_virtual_tokens :] for i in rows], x.shape[1]) > 0
-    penalty = torch.tensor([seqs[i].params.repetition_penalty for i in rows], dtype=x.dtype)[:, None]
-    sub = x[rows]
-    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-    x[rows] = torch.where(seen, penalized, sub)
+    flat = x.view(-1)
+    penalty = _per_slot([s.params.repetition_penalty for s in seqs], slots, vocab, x.dtype)
+    seen = flat[slots]
+    # Divided, not multiplied by 1 / penalty: the same floats as transformers' RepetitionPenaltyLogitsProcessor.
+    flat[slots] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
 
 def _frequency_presence(x: torch.Tensor, seqs: list[Sequence]) -> None:
-    rows = _rows_where([s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0 for s in seqs])
-    if not rows:
+    vocab = x.shape[1]
+    slots, counts = _token_slots([(i, s.output_token_ids) for i, s in enumerate(seqs)
+                                  if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0], vocab)
+    if not len(slots):
         return
-    counts = _occurrence_counts([seqs[i].output_token_ids for i in rows], x.shape[1]).to(x.dtype)
-    frequency = torch.tensor([seqs[i].params.frequency_penalty for i in rows], dtype=x.dtype)[:, None]
-    presence = torch.tensor([seqs[i].params.presence_penalty for i in rows], dtype=x.dtype)[:, None]
-    x[rows] -= frequency * counts + presence * (counts > 0).to(x.dtype)
+    frequency = _per_slot([s.params.frequency_penalty for s in seqs], slots, vocab, x.dtype)
+    presence = _per_slot([s.params.presence_penalty for s in seqs], slots, vocab, x.dtype)
+    x.view(-1)[slots] -= frequency * counts.to(x.dtype) + presence
 
 
 def _logit_bias(x: torch.Tensor, seqs: list[Sequence]) -> None:
