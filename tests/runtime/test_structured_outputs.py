@@ -3,10 +3,12 @@ row, while free requests in the same batch sample exactly as they would alone.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import jsonschema
@@ -146,3 +148,34 @@ def test_the_grammar_engine_is_imported_only_for_a_constrained_request() -> None
     code = "import sys, runtime, runtime.engine.engine; print('llguidance' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_async_requests_compile_off_the_step_loop(tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from runtime import AsyncLLM
+    from runtime.engine.engine import EngineOptions
+    from runtime.engine.structured import GrammarCompiler
+
+    threads: list[str] = []
+    compile = GrammarCompiler.compile
+
+    def recording(self: GrammarCompiler, spec: StructuredOutputsParams) -> Any:
+        before = self.stats.compiled
+        result = compile(self, spec)
+        if self.stats.compiled > before:  # a miss: really compiled
+            threads.append(threading.current_thread().name)
+        return result
+
+    monkeypatch.setattr(GrammarCompiler, "compile", recording)
+    llm = AsyncLLM.from_hf(tiny_model_dir("llama"), EngineOptions(dtype="float32", num_kv_blocks=64, max_model_len=256))
+
+    async def run() -> str:
+        spec = StructuredOutputsParams(regex="[a-c]{4}-async")
+        async for out in llm.generate(PROMPT, SamplingParams(max_tokens=20, structured_outputs=spec)):
+            text = out.text
+        return text
+
+    try:
+        assert re.fullmatch("[a-c]{4}-async", asyncio.run(run()))
+    finally:
+        llm.shutdown()
+    assert len(threads) == 1 and threads[0] != "warmstart-engine"
