@@ -104,3 +104,12 @@ def test_invalid_constraints_are_a_400_naming_the_problem(client: openai.OpenAI,
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, extra_body=body)
     assert problem in caught.value.message
     assert caught.value.body["param"] in body  # type: ignore[index]
+
+
+def test_every_choice_of_n_follows_the_schema(client: openai.OpenAI) -> None:
+    # The choices fork from one prompt: each must advance a matcher of its own.
+    choices = chat(client, response_format=PERSON_FORMAT, n=3, seed=5).choices
+    assert len(choices) == 3 and len({c.message.content for c in choices}) > 1
+    for c in choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), PERSON_SCHEMA)
