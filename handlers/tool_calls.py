@@ -1,0 +1,178 @@
+"""Tool calls in a model's output, in the formats of the supported families, and the grammars that force them.
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes and the templates that copied them): ``<tool_call>\\n{"name": ...,
+  "arguments": {...}}\\n</tool_call>``, one block per call; the text before the first block is the content.
+- ``llama3_json`` (Llama 3.1-3.3): the whole reply is ``{"name": ..., "parameters": {...}}`` (or
+  ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` (v3 tokenizers), or
+  ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+); the text before it is the content. ``[TOOL_CALLS]`` is a
+  special token, so the text parsed must keep special tokens.
+
+``tool_choice`` "required" or a named function is enforced with ``call_grammar``: a Lark grammar (llguidance's
+dialect, whose ``%json`` embeds a JSON schema) that admits only calls of the offered functions with arguments
+valid against their parameters' schemas, so the arguments always parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's message.tool_calls[].function.arguments
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedReply:
+    content: str | None  # None when the reply is only tool calls
+    tool_calls: list[ToolCall]
+
+
+def parser_for_template(template: str | None) -> str | None:
+    """The parser a chat template's own tool-call format needs, or None when it shows none."""
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or '"parameters"' in template or "ipython" in template:
+        return "llama3_json"
+    return None
+
+
+def parse_tool_calls(parser: str, text: str) -> ParsedReply:
+    """Split a reply into its content and its tool calls; text that is not a well-formed call stays content."""
+    if parser == "hermes":
+        return _hermes(text)
+    if parser == "llama3_json":
+        return _llama3(text)
+    if parser == "mistral":
+        return _mistral(text)
+    raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
+
+
+def _call(obj: Any, arguments_key: str = "arguments") -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _hermes(text: str) -> ParsedReply:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return ParsedReply(text, [])
+    calls = [_call(_json(m.group(1))) for m in HERMES_BLOCK.finditer(text, start)]
+    if not calls or any(c is None for c in calls):
+        return ParsedReply(text, [])
+    content = text[:start].strip()
+    return ParsedReply(content or None, [c for c in calls if c is not None])
+
+
+def _llama3(text: str) -> ParsedReply:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return ParsedReply(text, [])
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    at = 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return ParsedReply(text, [])
+        call = _call(obj, "parameters")
+        if call is None:
+            return ParsedReply(text, [])
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return ParsedReply(None, calls)
+
+
+MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]")
+
+
+def _mistral(text: str) -> ParsedReply:
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return ParsedReply(text, [])
+    content = text[:start].strip() or None
+    rest = text[start + len("[TOOL_CALLS]") :].strip()
+    calls: list[ToolCall | None]
+    if rest.startswith("["):
+        listed = _json(rest)
+        calls = [_call(o) for o in listed] if isinstance(listed, list) else [None]
+    else:  # name[ARGS]{...} per call, each after its own [TOOL_CALLS]
+        calls = []
+        decoder = json.JSONDecoder()
+        for part in rest.split("[TOOL_CALLS]"):
+            m = MISTRAL_V11.match(part.strip())
+            try:
+                args, _ = decoder.raw_decode(part.strip(), m.end()) if m else (None, 0)
+            except ValueError:
+                args = None
+            calls.append(ToolCall(m.group(1), json.dumps(args, ensure_ascii=False)) if m and args is not None
+                         else None)
+    if not calls or any(c is None for c in calls):
+        return ParsedReply(text, [])
+    return ParsedReply(content, [c for c in calls if c is not None])
+
+
+def call_schema(tools: list[dict[str, Any]], name: str | None = None, arguments_key: str = "arguments"
+                ) -> dict[str, Any]:  # fmt: skip
+    """The JSON schema of one call of the offered functions (or of the one named)."""
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        options.append({"type": "object", "properties": {"name": {"const": function["name"]},
+                                                         arguments_key: parameters},
+                        "required": ["name", arguments_key], "additionalProperties": False})
+    if not options:
+        raise ValueError(f"no offered function is named {name!r}")
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance) admitting only tool calls in ``parser``'s format: one, or with ``parallel`` one
+    or more, of the offered functions (or only ``name``), arguments valid against the function's parameters."""
+    many = "+" if parallel and name is None else ""
+    if parser == "hermes":
+        schema = json.dumps(call_schema(tools, name))
+        return f'start: call{many}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>"'
+    if parser == "llama3_json":
+        schema = json.dumps(call_schema(tools, name, "parameters"))
+        rest = '(";" call)*' if many else ""
+        return f"start: call {rest}\ncall: %json {schema}"
+    raise ValueError(f"tool_choice 'required' or a named function is not enforced for the {parser!r} format; "
+                     "use tool_choice 'auto'")

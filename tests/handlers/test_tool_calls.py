@@ -1,0 +1,98 @@
+"""Tool-call parsers for the supported families' formats, and the grammars that force a call."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from handlers.tool_calls import call_grammar, parse_tool_calls, parser_for_template
+
+WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, Any]]]:
+    reply = parse_tool_calls(parser, text)
+    assert all(c.id.startswith("call_") for c in reply.tool_calls)
+    return reply.content, [(c.name, json.loads(c.arguments)) for c in reply.tool_calls]
+
+
+def test_hermes_blocks_and_the_content_before_them() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    assert calls("hermes", text) == ("Let me check.",
+                                     [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})])
+    # A last block cut before its closing tag (the stop token ended it) still counts.
+    assert calls("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}') == (None, [("get_time", {})])
+
+
+def test_llama3_json_with_and_without_python_tag() -> None:
+    assert calls("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}') == (
+        None, [("get_weather", {"city": "Rome"})])
+    two = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_time", "arguments": {}}'
+    assert calls("llama3_json", two) == (None, [("get_time", {"zone": "UTC"}), ("get_time", {})])
+
+
+def test_mistral_array_and_v11_formats() -> None:
+    assert calls("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (
+        "Sure.", [("get_weather", {"city": "Paris"})])
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    assert calls("mistral", text) == (None, [("get_weather", {"city": "Lyon"}), ("get_time", {"zone": "CET"})])
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", "Just text, no call."),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>"),
+    ("llama3_json", "The answer is {42}."),
+    ("llama3_json", '{"no_name": 1}'),
+    ("mistral", "[TOOL_CALLS][{broken"),
+])  # fmt: skip
+def test_text_that_is_not_a_well_formed_call_stays_content(parser: str, text: str) -> None:
+    reply = parse_tool_calls(parser, text)
+    assert reply.content == text and reply.tool_calls == []
+
+
+def test_parser_chosen_from_the_template() -> None:
+    assert parser_for_template("{{ '<tool_call>\\n' }}{{ tool_call | tojson }}") == "hermes"
+    assert parser_for_template("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert parser_for_template('{{ "<|python_tag|>" }}{"name": ..., "parameters": ...}') == "llama3_json"
+    assert parser_for_template("{{ message.content }}") is None
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        parse_tool_calls("nope", "")
+
+
+@pytest.mark.parametrize(("parser", "good", "bad"), [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'),  # city is required
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+     '{"name": "set_alarm", "parameters": {}}'),  # not an offered function
+])  # fmt: skip
+def test_call_grammar_admits_valid_calls_only(tiny_model_dir, parser: str, good: str, bad: str) -> None:  # type: ignore[no-untyped-def]
+    import llguidance
+
+    from runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir("llama"))
+    lt = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=[2])
+    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(parser, [WEATHER, TIME]))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    for text, admitted in ((good, True), (bad, False)):
+        matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
+        ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+        assert ok is admitted, text
+        assert parse_tool_calls(parser, text).tool_calls or not admitted
+
+
+def test_named_function_grammar_and_unenforced_format() -> None:
+    assert '"get_time"' in call_grammar("hermes", [WEATHER, TIME], name="get_time")
+    assert '"get_weather"' not in call_grammar("hermes", [WEATHER, TIME], name="get_time")
+    with pytest.raises(ValueError, match="no offered function is named"):
+        call_grammar("hermes", [WEATHER], name="get_time")
+    with pytest.raises(ValueError, match="not enforced"):
+        call_grammar("mistral", [WEATHER])
