@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from handlers.sampling_controls import FieldError, choices, sampling_controls
 from handlers.structured_request import FIELDS as STRUCTURED
 from handlers.structured_request import StructuredFieldError, structured_outputs
+from handlers.tool_calls import ToolFieldError, ToolRequest, history_tool_calls, tool_request
 
 if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
     from runtime.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class ServedModel:
     # The model's generation_config.json sampling (temperature, top_p, top_k, min_p): what a request omitting them gets
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1 (handlers/reasoning.py)
+    tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the chat template
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
     _max_text: int | None = field(default=None, init=False, repr=False)
@@ -134,6 +136,7 @@ class Generation:
     ignored_fields: list[str] = field(default_factory=list)  # fields of the body this server ignored
     n: int = 1  # choices returned (params.n are generated: best_of, the best n kept by cumulative logprob)
     echo: str | None = None  # completions with echo: the prompt's text, before each choice's
+    tool_parser: str | None = None  # chat with tools: the format tool calls are read from the reply in
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -142,8 +145,6 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
 # Known fields whose effect is not implemented: accepted only at the value that changes nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools there is nothing to choose
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
     # vLLM's own fields that change what is generated; refused unless they ask for what happens anyway
@@ -175,7 +176,7 @@ CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | STRUCTURED | {"messa
                "documents"})
 # What the template itself is given (transformers' apply_chat_template arguments): chat_template_kwargs cannot set them.
 TEMPLATE_ARGUMENTS = {"messages", "tools", "documents", "add_generation_prompt"}
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def parse_completion(body: Any, model: ServedModel) -> Generation:
@@ -207,7 +208,11 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
     adapter = _adapter(b, model)
     prefix = _prefix(b, model)
     messages = _messages(b.raw.get("messages"))
-    ids = _chat_prompt(messages, model, prefix, _template_kwargs(b))
+    tools = _tools(b, model)
+    template_kwargs = _template_kwargs(b)
+    if tools is not None:
+        template_kwargs["tools"] = tools.tools
+    ids = _chat_prompt(messages, model, prefix, template_kwargs)
     if adapter == "auto":
         users = [m["content"] for m in messages if m["role"] == "user"]
         adapter = _auto(model, users[-1] if users else messages[-1]["content"], ids)
@@ -215,8 +220,31 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
     top = b.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
-    return _finish(b, model, ids, chat=True, logprobs=(top or 0) if want else None, prompt_param="messages",
-                   adapter=adapter)
+    gen = _finish(b, model, ids, chat=True, logprobs=(top or 0) if want else None, prompt_param="messages",
+                  adapter=adapter)
+    if tools is not None:
+        _use_tools(gen, tools)
+    return gen
+
+
+def _tools(b: Body, model: ServedModel) -> ToolRequest | None:
+    template = model.tokenizer.chat_template if model.tokenizer is not None else None
+    try:
+        return tool_request(b.raw, template, model.tool_call_parser)
+    except ToolFieldError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _use_tools(gen: Generation, tools: ToolRequest) -> None:
+    """Read calls out of the reply; with tool_choice required or named, decode under the calls' grammar."""
+    from runtime.structured_outputs import StructuredOutputsParams
+
+    gen.tool_parser = tools.parser
+    if tools.grammar is not None:
+        if gen.params.structured_outputs is not None:
+            raise bad("tool_choice required or a named function already constrains the output; leave out "
+                      "response_format (or the structured outputs fields)", "tool_choice")
+        gen.params.structured_outputs = StructuredOutputsParams(grammar=tools.grammar)
 
 
 class Body:
@@ -390,17 +418,40 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object with role and content, got {json_type(m)}", "messages")
-        extra = sorted(k for k in m if k not in ("role", "content", "name"))
+        extra = sorted(k for k in m if k not in ("role", "content", "name", "tool_calls", "tool_call_id"))
         if extra:
             raise bad(f"{where}.{extra[0]} is not supported by this server", "messages")
         role = m.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             shown = json.dumps(role)[:40]
-            raise bad(f"{where}.role must be one of system, developer, user, assistant, got {shown}", "messages")
+            raise bad(f"{where}.role must be one of system, developer, user, assistant, tool, got {shown}",
+                      "messages")
         if "name" in m and not isinstance(m["name"], str):
             raise bad(f"{where}.name must be a string, got {json_type(m['name'])}", "messages")
-        messages.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), where)})
+        messages.append(_message(m, CHAT_ROLES[role], where))
     return messages
+
+
+def _message(m: dict[str, Any], role: str, where: str) -> dict[str, Any]:
+    """One message for the chat template; an assistant's tool_calls and a tool result's tool_call_id kept."""
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls is only allowed on an assistant message", "messages")
+        try:
+            calls = history_tool_calls(m["tool_calls"], where)
+        except ToolFieldError as e:
+            raise bad(str(e), e.param) from None
+        content = m.get("content")
+        return {"role": role, "content": "" if content is None else _content(content, where), "tool_calls": calls}
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad(f"{where}.tool_call_id is required on a tool message (the id of the call it answers)",
+                      "messages")
+        return {"role": role, "content": _content(m.get("content"), where), "tool_call_id": call_id}
+    if m.get("tool_call_id") is not None:
+        raise bad(f"{where}.tool_call_id is only allowed on a tool message", "messages")
+    return {"role": role, "content": _content(m.get("content"), where)}
 
 
 def _content(content: Any, where: str) -> str:

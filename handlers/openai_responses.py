@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from handlers.openai_protocol import Generation, ServedModel
 from handlers.reasoning import ReasoningStream, message_fields
+from handlers.tool_calls import ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
     from runtime.engine.sequence import TokenLogprobs
@@ -47,6 +48,7 @@ class Reply:
     started: set[int] = field(default_factory=set)  # the choices whose first chunk is out
     finals: dict[int, RequestOutput] = field(default_factory=dict)  # streamed choices that finished
     reasoning: dict[int, ReasoningStream] = field(default_factory=dict)  # --reasoning-parser: per choice
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)  # chat with tools: per choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         adapter = self.gen.adapter
@@ -66,8 +68,14 @@ class Reply:
         logprobs = self._with_echo(out, index, out.logprobs or [], True)
         if self.gen.chat:
             message = {"role": "assistant", **message_fields(self.model.reasoning_parser, out.text)}
-            return {"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": out.finish_reason}
+            reason = out.finish_reason
+            if self.gen.tool_parser is not None:
+                reply = parse_tool_calls(self.gen.tool_parser, message.get("content") or "")
+                if reply.tool_calls:
+                    message = {**message, "content": reply.content,
+                               "tool_calls": [c.openai() for c in reply.tool_calls]}
+                    reason = "tool_calls"
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         text = (self.gen.echo or "") + out.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
@@ -86,6 +94,8 @@ class Reply:
         reason = out.finish_reason if out.finished else None
         if self.gen.chat:
             delta = self._delta(out, out.index)
+            if "tool_calls" in delta:
+                reason = "tool_calls"
             if first:
                 delta = {"role": "assistant", **delta}
             choice: dict[str, Any] = {"index": out.index, "delta": delta, "logprobs": logprobs,
@@ -130,6 +140,9 @@ class Reply:
 
     def _delta(self, out: RequestOutput, index: int) -> dict[str, Any]:
         """A chat chunk's delta: the new text, or with --reasoning-parser its new reasoning and content."""
+        if self.gen.tool_parser is not None:
+            calls = self.tool_streams.setdefault(index, ToolCallStream(self.gen.tool_parser))
+            return calls.delta(out.new_text, out.finished)
         parser = self.model.reasoning_parser
         if parser is None:
             return {"content": out.new_text}

@@ -22,6 +22,7 @@ from typing import Any
 from handlers.coldstart import Timeline, print_json_line
 from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
 from handlers.reasoning import PARSERS as REASONING_PARSERS
+from handlers.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
 def add_command(sub: Any) -> None:
@@ -34,6 +35,9 @@ def add_command(sub: Any) -> None:
     serve.add_argument("--served-model-name", help="the model name clients send (default: REF)")
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                        help="split a reasoning model's <think>...</think> into reasoning_content (as vLLM's parsers)")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                       help="the format tool calls are read from in chat replies (default: the one the chat "
+                            "template shows: <tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> llama3_json)")
     engine = serve.add_argument_group("engine")
     engine.add_argument("--device", type=device_name, default="auto",
                         help="where the engine runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or "
@@ -132,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None,
                     args.body_timeout_seconds, args.sse_ping_seconds, args.allowed_origins, args.access_log)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
 
     def load() -> None:
         load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,

@@ -52,6 +52,7 @@ class ServeState:
     info: dict[str, Any] = field(default_factory=dict)  # snapshot id, prefixes, adapters, pull, engine
     group: TensorParallelGroup | None = None  # rank 0's tensor-parallel group, when there is one
     reasoning_parser: str | None = None  # chat replies' <think> split out (handlers/reasoning.py)
+    tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the template
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name, self.timeline)
@@ -157,6 +158,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             kv_room=engine.kv_room,
             sampling_defaults=dict(engine.generation_defaults.sampling),
             reasoning_parser=state.reasoning_parser,
+            tool_call_parser=state.tool_call_parser,
         )
         info = {
             "snapshot_id": report.snapshot_id,

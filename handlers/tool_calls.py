@@ -91,7 +91,7 @@ def _hermes(text: str) -> ParsedReply:
     calls = [_call(_json(m.group(1))) for m in HERMES_BLOCK.finditer(text, start)]
     if not calls or any(c is None for c in calls):
         return ParsedReply(text, [])
-    content = text[:start].strip()
+    content = text[:start].rstrip()  # what a stream sent before the call (ToolCallStream holds back the spaces)
     return ParsedReply(content or None, [c for c in calls if c is not None])
 
 
@@ -124,7 +124,7 @@ def _mistral(text: str) -> ParsedReply:
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return ParsedReply(text, [])
-    content = text[:start].strip() or None
+    content = text[:start].rstrip() or None
     rest = text[start + len("[TOOL_CALLS]") :].strip()
     calls: list[ToolCall | None]
     if rest.startswith("["):
@@ -176,3 +176,132 @@ def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = No
         return f"start: call {rest}\ncall: %json {schema}"
     raise ValueError(f"tool_choice 'required' or a named function is not enforced for the {parser!r} format; "
                      "use tool_choice 'auto'")
+
+
+class ToolFieldError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict[str, Any]]  # as the request gave them: the chat template renders them
+    parser: str | None  # how calls are read out of the reply; None with tool_choice "none"
+    grammar: str | None  # tool_choice "required" or named: the only replies allowed
+
+
+def tool_request(raw: dict[str, Any], template: str | None, parser: str | None) -> ToolRequest | None:
+    """The request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked; None without tools.
+    ``parser``: the server's --tool-call-parser, else the one the chat template's format needs."""
+    tools = raw.get("tools")
+    choice = raw.get("tool_choice")
+    parallel = raw.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolFieldError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ToolFieldError("tool_choice needs tools to choose from", "tool_choice")
+        return None
+    _check_tools(tools)
+    names = [t["function"]["name"] for t in tools]
+    if choice is None or choice in ("auto", "none", "required"):
+        named = None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        named = choice["function"].get("name")
+        if named not in names:
+            raise ToolFieldError(f"tool_choice names function {str(named)[:80]!r}, which is not among the tools "
+                                 f"({', '.join(names)})", "tool_choice")
+    else:
+        raise ToolFieldError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                             '{"name": ...}}', "tool_choice")
+    if choice == "none":
+        return ToolRequest(tools, None, None)
+    parser = parser or parser_for_template(template)
+    if parser is None:
+        raise ToolFieldError("this model's chat template shows no tool-call format this server can read; start the "
+                             f"server with --tool-call-parser ({', '.join(PARSERS)})", "tools")
+    grammar = None
+    if choice == "required" or named is not None:
+        try:
+            grammar = call_grammar(parser, tools, named, parallel)
+        except ValueError as e:
+            raise ToolFieldError(str(e), "tool_choice") from None
+    return ToolRequest(tools, parser, grammar)
+
+
+def _check_tools(tools: Any) -> None:
+    if not isinstance(tools, list):
+        raise ToolFieldError("tools must be an array of {type: function, function: {name, parameters}}", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ToolFieldError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}", "tools")
+        if not isinstance(function.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", function["name"]):
+            raise ToolFieldError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise ToolFieldError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+
+
+def history_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them (arguments as an object, as vLLM
+    passes them); raises ToolFieldError."""
+    if not isinstance(raw, list):
+        raise ToolFieldError(f"{where}.tool_calls must be an array", "messages")
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ToolFieldError(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, "
+                                 "arguments}}}}", "messages")
+        arguments = function.get("arguments", "{}")
+        parsed = _json(arguments) if isinstance(arguments, str) else arguments
+        calls.append({"id": call.get("id", ""), "type": "function",
+                      "function": {"name": function["name"], "arguments": parsed if parsed is not None else arguments}})
+    return calls
+
+
+class ToolCallStream:
+    """A streamed reply under a tool parser: content deltas pass until a call could be starting (text that
+    could still become the format's marker is held back); the calls go out whole, parsed, when the reply ends.
+    The deltas add up to what ``parse_tool_calls`` makes of the whole reply."""
+
+    MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of text sent as content
+        self.holding = False  # a marker was seen: everything from it waits for the end
+
+    def delta(self, new_text: str, finished: bool) -> dict[str, Any]:
+        self.text += new_text
+        if finished:
+            reply = parse_tool_calls(self.parser, self.text)
+            if not reply.tool_calls:
+                return self._content(len(self.text), final=True)
+            content = reply.content or ""
+            out: dict[str, Any] = {"content": content[self.sent :]} if len(content) > self.sent else {}
+            out["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(reply.tool_calls)]
+            return out
+        marker = self.MARKERS[self.parser]
+        if self.parser == "llama3_json":  # the whole reply is the call: decided by its first character
+            stripped = self.text.lstrip()
+            if stripped.startswith(("{", "<|python_tag|>")) or not stripped:
+                return {}
+            return self._content(len(self.text), final=True)
+        at = self.text.find(marker)
+        if at >= 0:
+            return self._content(at)
+        # Hold back a tail that could be the start of the marker.
+        keep = next((k for k in range(min(len(marker) - 1, len(self.text)), 0, -1)
+                     if marker.startswith(self.text[-k:])), 0)
+        return self._content(len(self.text) - keep)
+
+    def _content(self, end: int, final: bool = False) -> dict[str, Any]:
+        if not final:  # spaces before a call are not content: held until text follows them
+            end = len(self.text[:end].rstrip())
+        end = max(end, self.sent)
+        piece = self.text[self.sent : end]
+        self.sent = end
+        return {"content": piece} if piece else {}

@@ -216,7 +216,7 @@ LONG = list(range(5, 305))  # 300 tokens: more than max_model_len 256
         ("/v1/completions", {}, 400, "prompt", "required"),
         ("/v1/chat/completions", {"model": REF}, 400, "messages", "required"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool_call_id"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages", "text"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400,
@@ -224,7 +224,7 @@ LONG = list(range(5, 305))  # 300 tokens: more than max_model_len 256
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
          "top_logprobs", "logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         400, "tools", "not supported"),
+         400, "tools", "must be {type: function"),
         ("/v1/completions", {"prompt": "x" * 5000}, 413, None, "4096"),
     ],
 )

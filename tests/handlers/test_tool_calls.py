@@ -96,3 +96,36 @@ def test_named_function_grammar_and_unenforced_format() -> None:
         call_grammar("hermes", [WEATHER], name="get_time")
     with pytest.raises(ValueError, match="not enforced"):
         call_grammar("mistral", [WEATHER])
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", 'Checking.  \n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'),
+    ("hermes", "No call here, just < and <tool text."),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    ("llama3_json", "Plain words."),
+    ("mistral", 'Ok [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+])  # fmt: skip
+@pytest.mark.parametrize("cut", [1, 2, 3, 7])
+def test_streamed_deltas_add_up_to_the_whole_reply(parser: str, text: str, cut: int) -> None:
+    from handlers.tool_calls import ToolCallStream
+
+    stream = ToolCallStream(parser)
+    pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
+    deltas = [stream.delta(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    whole = parse_tool_calls(parser, text)
+    assert "".join(d.get("content", "") for d in deltas) == (whole.content or "")
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (c.name, c.arguments) for c in whole.tool_calls]
+    assert all("tool_calls" not in d for d in deltas[:-1])
+
+
+def test_a_template_without_a_known_format_needs_the_flag() -> None:
+    from handlers.tool_calls import ToolFieldError, tool_request
+
+    body = {"tools": [WEATHER], "tool_choice": "auto"}
+    with pytest.raises(ToolFieldError, match="--tool-call-parser"):
+        tool_request(body, "{{ messages }}", None)
+    request = tool_request(body, "{{ messages }}", "hermes")
+    assert request is not None and request.parser == "hermes" and request.grammar is None
+    assert tool_request({"tools": [WEATHER], "tool_choice": "none"}, "{{ messages }}", None).parser is None  # type: ignore[union-attr]
