@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PARSERS = ("hermes", "llama3_json", "mistral")
+# The calls' JSON as structured outputs write it (runtime/engine/structured.py): fixed separators, no other
+# whitespace, so a small model cannot loop on spaces inside a forced call.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass
@@ -168,10 +171,10 @@ def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = No
     or more, of the offered functions (or only ``name``), arguments valid against the function's parameters."""
     many = "+" if parallel and name is None else ""
     if parser == "hermes":
-        schema = json.dumps(call_schema(tools, name))
+        schema = json.dumps({**call_schema(tools, name), "x-guidance": COMPACT_JSON})
         return f'start: call{many}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>"'
     if parser == "llama3_json":
-        schema = json.dumps(call_schema(tools, name, "parameters"))
+        schema = json.dumps({**call_schema(tools, name, "parameters"), "x-guidance": COMPACT_JSON})
         rest = '(";" call)*' if many else ""
         return f"start: call {rest}\ncall: %json {schema}"
     raise ValueError(f"tool_choice 'required' or a named function is not enforced for the {parser!r} format; "

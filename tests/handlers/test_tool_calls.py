@@ -129,3 +129,18 @@ def test_a_template_without_a_known_format_needs_the_flag() -> None:
     request = tool_request(body, "{{ messages }}", "hermes")
     assert request is not None and request.parser == "hermes" and request.grammar is None
     assert tool_request({"tools": [WEATHER], "tool_choice": "none"}, "{{ messages }}", None).parser is None  # type: ignore[union-attr]
+
+
+def test_forced_calls_are_compact_json(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    import llguidance
+
+    from runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir("llama"))
+    lt = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=[2])
+    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar("hermes", [TIME]))
+    for spaces, admitted in (("", True), ("  ", False)):
+        text = f'<tool_call>\n{{{spaces}"name": "get_time", "arguments": {{"zone": "UTC"}}}}\n</tool_call>'
+        matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
+        consumed = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+        assert (consumed and matcher.is_accepting()) is admitted
