@@ -4,9 +4,10 @@
 
 Every system is one long-lived worker process that loads its engine once (vLLM compiles for ~2 minutes), then
 the driver runs the rounds: in each round, each shape goes to every system in turn (the order rotating from round
-to round), with prompts drawn fresh for that round so no round hits another's cache. Each request asks for one
-token (the one the prefill produces). Figures: prompt tokens that were not cached / wall time, medians over the
-rounds, and the ratio of each system to the first.
+to round), with prompts drawn fresh for that round so no round hits another's cache. While one system is timed the
+others are stopped (SIGSTOP), so that an idle engine (vLLM's processes poll their queues) takes no CPU from it.
+Each request asks for one token (the one the prefill produces). Figures: prompt tokens that were not cached / wall
+time, medians over the rounds, and the median of the per-round ratios of each system to the first.
 
 Shapes (issue 15):
 - short: 8 fresh prompts of 384-512 tokens
@@ -22,9 +23,11 @@ The model: SmolLM2-135M-Instruct from `warmstart prepare-model smollm2`, in bflo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -84,8 +87,9 @@ def warmstart_worker(model_dir: str, max_batched: int) -> None:
 class Worker:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         self.name = name
+        # its own process group, so that the driver can stop it (and vLLM's engine processes) as a whole
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=REPO)
+                                     cwd=REPO, start_new_session=True)
         self.info: dict[str, Any] = {}
 
     def wait_ready(self) -> bool:
@@ -112,6 +116,11 @@ class Worker:
         if reply is None:
             raise SystemExit(f"{self.name}: the worker died (status {self.proc.wait()})")
         return reply
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP / SIGCONT the worker's process group, so that only the system being timed runs."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -175,6 +184,8 @@ def main() -> None:
                 new = sum(len(p) for p in job["prompts"]) - (len(job["prefix"]) * len(job["prompts"])
                                                              if job["prefix"] else 0)
                 for w in order:
+                    for other in workers:
+                        other.pause(other is not w)
                     reply = w.run(job)
                     rate = new / reply["wall_s"]
                     rates.setdefault((w.name, shape), []).append(rate)
@@ -183,6 +194,7 @@ def main() -> None:
                           file=sys.stderr)
     finally:
         for w in workers:
+            w.pause(False)
             w.close()
     print_table(workers, args.shapes, rates)
     if args.json:
