@@ -72,7 +72,8 @@ def test_silu_and_mul_rejects_odd_width() -> None:
 def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
     modules = imported_after("import runtime, runtime.models.model, runtime.engine.engine")
     kernels = {m for m in modules if m.startswith("runtime.kernels.")}
-    assert "triton" not in modules and kernels <= {"runtime.kernels._cpu_attention"}
+    cpu_kernels = {"runtime.kernels._cpu_attention", "runtime.kernels._cpu_small_ops", "runtime.kernels.cpu_small_ops"}
+    assert "triton" not in modules and kernels <= cpu_kernels
 
 
 def test_first_call_timings_cover_every_kernel() -> None:
