@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from handlers.sampling_controls import FieldError, choices, sampling_controls
 from handlers.structured_request import FIELDS as STRUCTURED
 from handlers.structured_request import StructuredFieldError, structured_outputs
-from handlers.tool_calls import ToolFieldError, ToolRequest, history_tool_calls, tool_request
+from handlers.tool_calls import MISTRAL_MARKER, ToolFieldError, ToolRequest, history_tool_calls, tool_request
 
 if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
     from runtime.sampling_params import SamplingParams
@@ -229,8 +229,9 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
 
 def _tools(b: Body, model: ServedModel) -> ToolRequest | None:
     template = model.tokenizer.chat_template if model.tokenizer is not None else None
+    mistral_token = model.tokenizer.hf.token_to_id(MISTRAL_MARKER) if model.tokenizer is not None else None
     try:
-        return tool_request(b.raw, template, model.tool_call_parser)
+        return tool_request(b.raw, template, model.tool_call_parser, mistral_token)
     except ToolFieldError as e:
         raise bad(str(e), e.param) from None
 
@@ -240,6 +241,8 @@ def _use_tools(gen: Generation, tools: ToolRequest) -> None:
     from runtime.structured_outputs import StructuredOutputsParams
 
     gen.tool_parser = tools.parser
+    if tools.parser == "mistral":  # its calls start at the [TOOL_CALLS] special token, which the text must keep
+        gen.params.skip_special_tokens = False
     if tools.grammar is not None:
         if gen.params.structured_outputs is not None:
             raise bad("tool_choice required or a named function already constrains the output; leave out "

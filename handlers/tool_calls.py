@@ -6,7 +6,8 @@
   ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``.
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` (v3 tokenizers), or
   ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+); the text before it is the content. ``[TOOL_CALLS]`` is a
-  special token, so the text parsed must keep special tokens.
+  special token, so the text parsed must keep special tokens (a request under this parser is decoded with
+  skip_special_tokens False, as vLLM's mistral parser asks; handlers/openai_protocol.py).
 
 ``tool_choice`` "required" or a named function is enforced with ``call_grammar``: a Lark grammar (llguidance's
 dialect, whose ``%json`` embeds a JSON schema) that admits only calls of the offered functions with arguments
@@ -120,6 +121,7 @@ def _llama3(text: str) -> ParsedReply:
     return ParsedReply(None, calls)
 
 
+MISTRAL_MARKER = "[TOOL_CALLS]"
 MISTRAL_V11 = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]")
 
 
@@ -166,9 +168,12 @@ def call_schema(tools: list[dict[str, Any]], name: str | None = None, arguments_
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True,
+                 mistral_token_id: int | None = None) -> str:
     """A Lark grammar (llguidance) admitting only tool calls in ``parser``'s format: one, or with ``parallel`` one
-    or more, of the offered functions (or only ``name``), arguments valid against the function's parameters."""
+    or more, of the offered functions (or only ``name``), arguments valid against the function's parameters.
+    ``mistral_token_id``: the id of the tokenizer's ``[TOOL_CALLS]`` token; None where it has none (then the
+    marker is plain text)."""
     many = "+" if parallel and name is None else ""
     if parser == "hermes":
         schema = json.dumps({**call_schema(tools, name), "x-guidance": COMPACT_JSON})
@@ -177,6 +182,13 @@ def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = No
         schema = json.dumps({**call_schema(tools, name, "parameters"), "x-guidance": COMPACT_JSON})
         rest = '(";" call)*' if many else ""
         return f"start: call {rest}\ncall: %json {schema}"
+    if parser == "mistral":  # [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], as Mistral's templates write it
+        calls: dict[str, Any] = {"type": "array", "items": call_schema(tools, name), "minItems": 1}
+        if not many:
+            calls["maxItems"] = 1
+        # llguidance names a special token by id, <[id]>: its <name> form takes only angle-bracketed names.
+        marker = json.dumps(MISTRAL_MARKER) if mistral_token_id is None else f"<[{mistral_token_id}]>"
+        return f"start: {marker} %json {json.dumps({**calls, 'x-guidance': COMPACT_JSON})}"
     raise ValueError(f"tool_choice 'required' or a named function is not enforced for the {parser!r} format; "
                      "use tool_choice 'auto'")
 
@@ -194,9 +206,11 @@ class ToolRequest:
     grammar: str | None  # tool_choice "required" or named: the only replies allowed
 
 
-def tool_request(raw: dict[str, Any], template: str | None, parser: str | None) -> ToolRequest | None:
+def tool_request(raw: dict[str, Any], template: str | None, parser: str | None,
+                 mistral_token_id: int | None = None) -> ToolRequest | None:
     """The request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked; None without tools.
-    ``parser``: the server's --tool-call-parser, else the one the chat template's format needs."""
+    ``parser``: the server's --tool-call-parser, else the one the chat template's format needs;
+    ``mistral_token_id``: the tokenizer's ``[TOOL_CALLS]`` token (see call_grammar)."""
     tools = raw.get("tools")
     choice = raw.get("tool_choice")
     parallel = raw.get("parallel_tool_calls", True)
@@ -227,7 +241,7 @@ def tool_request(raw: dict[str, Any], template: str | None, parser: str | None) 
     grammar = None
     if choice == "required" or named is not None:
         try:
-            grammar = call_grammar(parser, tools, named, parallel)
+            grammar = call_grammar(parser, tools, named, parallel, mistral_token_id)
         except ValueError as e:
             raise ToolFieldError(str(e), "tool_choice") from None
     return ToolRequest(tools, parser, grammar)

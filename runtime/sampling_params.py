@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the chosen token is always included)
     include_stop_str_in_output: bool = False
+    # False: the text keeps special tokens (those that end the request excepted), as vLLM's field of that name;
+    # the Mistral tool-call parser reads calls after its [TOOL_CALLS] token.
+    skip_special_tokens: bool = True
     speculative: bool = True  # False: never speculate for this request, even when the engine does
     # What the output must match (a JSON schema, a regex...): decoded under a grammar (runtime/engine/structured.py).
     structured_outputs: StructuredOutputsParams | None = None
@@ -80,6 +83,8 @@ class SamplingParams:
             fail("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            fail("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
         if not isinstance(self.speculative, bool):
             fail("speculative", f"must be true or false, got {self.speculative!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

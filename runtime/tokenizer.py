@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,13 +108,17 @@ class TextDelta:
 class Detokenizer:
     """Turns one request's generated tokens into text as they come and finds its stop strings.
 
-    Text that could still turn out to be the start of a stop string is held back until it cannot.
+    Text that could still turn out to be the start of a stop string is held back until it cannot. With
+    ``skip_special_tokens`` False the text keeps special tokens, except ``end_ids`` (the tokens that end the
+    request: EOS), whose text vLLM leaves out too.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False,
-                 prompt_ids: Sequence[int] = ()) -> None:
+                 prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 end_ids: Collection[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.end_ids = frozenset(() if skip_special_tokens else end_ids)
         for token_id in _priming_suffix(tokenizer, prompt_ids):
             self._step(token_id)
         self.stop = stop
@@ -135,6 +139,8 @@ class Detokenizer:
         return TextDelta(self._take(len(self.text) - self.hold), stopped=False)
 
     def _step(self, token_id: int) -> str:
+        if token_id in self.end_ids:
+            return ""
         try:
             return self.stream.step(self.tokenizer.hf, token_id) or ""
         except Exception:  # an id the tokenizer lacks (model vocab padded past the tokenizer's)

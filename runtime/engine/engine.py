@@ -198,8 +198,9 @@ class LLMEngine:
         for choice in [seq, *self._choices(seq)]:
             detok = None
             if self.tokenizer is not None:
+                ends = seq.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids)
                 detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                    seq.prompt_token_ids)
+                                    seq.prompt_token_ids, params.skip_special_tokens, ends)
             self.requests[choice.request_id] = (choice, detok)
         self.scheduler.add(seq)
         return seq.request_id

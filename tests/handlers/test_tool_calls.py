@@ -95,7 +95,48 @@ def test_named_function_grammar_and_unenforced_format() -> None:
     with pytest.raises(ValueError, match="no offered function is named"):
         call_grammar("hermes", [WEATHER], name="get_time")
     with pytest.raises(ValueError, match="not enforced"):
-        call_grammar("mistral", [WEATHER])
+        call_grammar("nope", [WEATHER])
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int]:
+    from runtime.tokenizer import Tokenizer
+    from tests.support.mistral_model import mistral_tool_model_dir
+
+    model, token_id = mistral_tool_model_dir(tmp_path_factory.mktemp("mistral"))
+    return Tokenizer(model), token_id
+
+
+def test_mistral_calls_read_from_text_that_keeps_the_special_token(mistral_tokenizer: tuple[Any, int]) -> None:
+    tok, token_id = mistral_tokenizer
+    body = tok.encode('[{"name": "get_time", "arguments": {"zone": "UTC"}}]', add_special_tokens=False)
+    ids = [*tok.encode("Checking.", add_special_tokens=False), token_id, *body]
+    kept = tok.decode(ids, skip_special_tokens=False)
+    assert calls("mistral", kept) == ("Checking.", [("get_time", {"zone": "UTC"})])
+    assert calls("mistral", tok.decode(ids))[1] == []  # the token skipped, nothing marks the call
+
+
+@pytest.mark.parametrize(("text", "parallel", "admitted"), [
+    ('[{"name": "get_time", "arguments": {"zone": "UTC"}}]', False, True),
+    ('[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+     True, True),
+    ('[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+     False, False),  # one call only
+    ('[{"name": "get_weather", "arguments": {"unit": "c"}}]', True, False),  # city is required
+])  # fmt: skip
+def test_mistral_grammar_begins_with_the_special_token(mistral_tokenizer: tuple[Any, int], text: str,
+                                                        parallel: bool, admitted: bool) -> None:
+    import llguidance
+
+    tok, token_id = mistral_tokenizer
+    lt = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=[2])
+    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar("mistral", [WEATHER, TIME], parallel=parallel,
+                                                                  mistral_token_id=token_id))
+    body = tok.encode(text, add_special_tokens=False)
+    without_token = llguidance.LLMatcher(lt, grammar, log_level=0)
+    assert not without_token.consume_tokens(body)  # the call must open with the token itself
+    matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
+    assert (matcher.consume_tokens([token_id, *body]) and matcher.is_accepting()) is admitted
 
 
 @pytest.mark.parametrize(("parser", "text"), [

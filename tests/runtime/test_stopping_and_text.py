@@ -217,6 +217,25 @@ def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
     assert detok.add(2).text == "" and detok.text == ""
 
 
+def test_special_tokens_kept_when_asked_but_not_the_ones_that_end_the_request(tokenizer: Tokenizer) -> None:
+    words = tokenizer.encode("Hello world", add_special_tokens=False)
+    detok = Detokenizer(tokenizer, [], skip_special_tokens=False, end_ids={2})
+    deltas, _ = feed(detok, [1, *words, 2])  # EOS (2) ends the request: its text is not the reply's
+    text = "".join(deltas) + detok.flush()
+    assert text == tokenizer.decode([1, *words], skip_special_tokens=False)
+    assert text.startswith(tokenizer.hf.id_to_token(1)) and tokenizer.hf.id_to_token(2) not in text
+
+
+def test_engine_keeps_special_tokens_for_requests_that_ask(llm: LLM) -> None:
+    """A logit bias makes the reply a special token (1); kept in the text only without skipping."""
+    prompt = llm.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    kept, skipped = (llm.generate([prompt], greedy(max_tokens=4, skip_special_tokens=skip, logit_bias={1: 100.0}))[0]
+                     for skip in (False, True))
+    assert kept.token_ids == skipped.token_ids and 1 in kept.token_ids
+    assert kept.text == llm.tokenizer.decode(kept.token_ids, skip_special_tokens=False)  # type: ignore[union-attr]
+    assert skipped.text == llm.tokenizer.decode(kept.token_ids)  # type: ignore[union-attr]
+
+
 def test_ids_the_tokenizer_lacks_decode_to_nothing_and_do_not_break_the_stream(tokenizer: Tokenizer) -> None:
     a, b = tokenizer.encode("Hello world"), tokenizer.encode(" and more")
     detok = Detokenizer(tokenizer, [])
