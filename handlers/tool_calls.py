@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -148,7 +150,15 @@ def _mistral(text: str) -> ParsedReply:
                          else None)
     if not calls or any(c is None for c in calls):
         return ParsedReply(text, [])
+    for c in calls:
+        if c is not None:  # Mistral's templates refuse any other id when the call comes back in the next turn
+            c.id = mistral_call_id()
     return ParsedReply(content, [c for c in calls if c is not None])
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits, the only tool-call id Mistral's chat templates accept (as vLLM makes them)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def call_schema(tools: list[dict[str, Any]], name: str | None = None, arguments_key: str = "arguments"

@@ -45,7 +45,7 @@ def ask(client: openai.OpenAI, **kwargs: Any) -> Any:
 
 
 def check_call(call: Any) -> None:
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function" and len(call.id) == 9 and call.id.isalnum()  # as Mistral templates require
     schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
 

@@ -19,7 +19,8 @@ TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time", "pa
 
 def calls(parser: str, text: str) -> tuple[str | None, list[tuple[str, Any]]]:
     reply = parse_tool_calls(parser, text)
-    assert all(c.id.startswith("call_") for c in reply.tool_calls)
+    expected_id = (lambda i: len(i) == 9 and i.isalnum()) if parser == "mistral" else (lambda i: i.startswith("call_"))
+    assert all(expected_id(c.id) for c in reply.tool_calls)
     return reply.content, [(c.name, json.loads(c.arguments)) for c in reply.tool_calls]
 
 
@@ -185,3 +186,21 @@ def test_forced_calls_are_compact_json(tiny_model_dir) -> None:  # type: ignore[
         matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
         consumed = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
         assert (consumed and matcher.is_accepting()) is admitted
+
+
+def test_mistral_calls_go_back_through_mistrals_template_in_the_next_turn() -> None:
+    from pathlib import Path
+
+    from runtime.chat_template import render
+
+    template = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "mistral.jinja").read_text()
+    reply = parse_tool_calls("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]')
+    (call,) = reply.tool_calls
+    assert len(call.id) == 9 and call.id.isalnum()
+    history = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.openai()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    text = render(template, history, bos_token="<s>", eos_token="</s>")
+    assert f'"call_id": "{call.id}"' in text
