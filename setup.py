@@ -9,6 +9,7 @@ setup(
         Extension(
             "runtime.kernels._cpu_attention",
             sources=["runtime/kernels/cpu_attention.c"],
+            depends=["runtime/kernels/bf16.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -16,6 +17,7 @@ setup(
         Extension(  # the small ops between the CPU path's matmuls, fused (runtime/kernels/cpu_small_ops.py)
             "runtime.kernels._cpu_small_ops",
             sources=["runtime/kernels/cpu_small_ops.c"],
+            depends=["runtime/kernels/bf16.h"],
             # no fused multiply-add: the kernels round where their PyTorch references do
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 16 /* query heads per KV head */
 
@@ -32,21 +34,6 @@ typedef struct {
     int bf16;
     int block_shift; /* log2(block_size), or -1 when it is not a power of two */
 } DecodeArgs;
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One pool row (a key or a value of one head) as float32. */
 static inline void load_row(const DecodeArgs *a, const void *pool, int64_t offset, float *dst) {
