@@ -137,11 +137,13 @@ class Generation:
     n: int = 1  # choices returned (params.n are generated: best_of, the best n kept by cumulative logprob)
     echo: str | None = None  # completions with echo: the prompt's text, before each choice's
     tool_parser: str | None = None  # chat with tools: the format tool calls are read from the reply in
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs, the top-n per prompt token
+    model_name: str | None = None  # the model replies report where not the served name (see _reply_model)
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "user", "prefix", "include_stop_str_in_output",
-                 "logprobs", "adapter", "speculative"}
+                 "logprobs", "adapter", "speculative", "skip_special_tokens"}
 # Known fields whose effect is not implemented: accepted only at the value that changes nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
@@ -151,10 +153,8 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v is False,
     "length_penalty": lambda v: v == 1,
     "allowed_token_ids": lambda v: False,
-    "prompt_logprobs": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
     "logits_processors": lambda v: v == [],
-    "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True,
     "return_tokens_as_token_ids": lambda v: v is False,
     "add_generation_prompt": lambda v: v is True,
@@ -169,7 +169,8 @@ SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on what is generated
 # Fields outside every list above are accepted and ignored, as vLLM does (clients and SDKs add fields as they go:
 # reasoning_effort, prompt_cache_key, safety_identifier...); Metrics.count_ignored counts them by name.
-COMPLETION_FIELDS = COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix"} | IGNORED | STRUCTURED
+COMPLETION_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | {"prompt", "best_of", "echo", "suffix", "prompt_logprobs"}
+                     | IGNORED | STRUCTURED)
 CHAT_FIELDS = (COMMON_FIELDS | SAMPLING_NEUTRAL | IGNORED | STRUCTURED | {"messages", "max_completion_tokens",
                "top_logprobs",
                "tools", "tool_choice", "functions", "function_call", "response_format", "chat_template_kwargs",
@@ -189,9 +190,15 @@ def parse_completion(body: Any, model: ServedModel) -> Generation:
         adapter = _auto(model, prompt if isinstance(prompt, str | list) else "", ids)
     logprobs = b.integer("logprobs", None, 0, MAX_LOGPROBS)
     gen = _finish(b, model, ids, chat=False, logprobs=logprobs, prompt_param="prompt", adapter=adapter)
+    gen.model_name = _reply_model(b, model, adapter)
+    gen.prompt_logprobs = b.integer("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    echoed = None
     if b.boolean("echo", False):
         gen.echo = _echo_text(b.raw.get("prompt"), ids, model)
-        gen.params.prompt_logprobs = logprobs  # the echoed prompt's logprobs, where asked
+        echoed = logprobs  # the echoed prompt's logprobs, where asked
+    # Computed once for both; each reply keeps its own top-n (openai_responses).
+    asked = [n for n in (gen.prompt_logprobs, echoed) if n is not None]
+    gen.params.prompt_logprobs = max(asked) if asked else None
     return gen
 
 
@@ -205,6 +212,9 @@ def _echo_text(prompt: Any, ids: list[int], model: ServedModel) -> str:
 
 def parse_chat(body: Any, model: ServedModel) -> Generation:
     b = Body(body, CHAT_FIELDS, "chat completions")
+    if b.raw.get("prompt_logprobs") is not None:
+        raise bad("prompt_logprobs is supported on /v1/completions only; leave it out of chat requests",
+                  "prompt_logprobs")
     adapter = _adapter(b, model)
     prefix = _prefix(b, model)
     messages = _messages(b.raw.get("messages"))
@@ -222,6 +232,7 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
         raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
     gen = _finish(b, model, ids, chat=True, logprobs=(top or 0) if want else None, prompt_param="messages",
                   adapter=adapter)
+    gen.model_name = _reply_model(b, model, adapter)
     if tools is not None:
         _use_tools(gen, tools)
     return gen
@@ -337,6 +348,17 @@ def _adapter(b: Body, model: ServedModel) -> str | None:
         why = f"unknown adapter {name[:80]!r}"
     raise APIError(404, f"{why}; this snapshot's adapters: {known}", param="adapter" if named is not None else "model",
                    code="adapter_not_found")
+
+
+def _reply_model(b: Body, model: ServedModel, adapter: str | None) -> str | None:
+    """The model a reply reports: as vLLM, the name the client sent where it named the adapter (bare or
+    BASE:NAME); else BASE:NAME for an adapter named by "adapter" or chosen by "auto"; None: the served name."""
+    if adapter is None:
+        return None
+    requested = b.string("model")
+    if requested is not None and _adapter_in_model(requested, model) == adapter:
+        return requested
+    return f"{model.name}:{adapter}"
 
 
 def _adapter_in_model(requested: str | None, model: ServedModel) -> str | None:
@@ -581,6 +603,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             stop=_stop(b),
             stop_token_ids=_stop_token_ids(b, model.vocab_size),
             ignore_eos=b.boolean("ignore_eos", False),
+            skip_special_tokens=b.boolean("skip_special_tokens", True),
             logprobs=ranked,
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             speculative=b.boolean("speculative", True),

@@ -53,7 +53,7 @@ class Reply:
     def _head(self, obj: str) -> dict[str, Any]:
         adapter = self.gen.adapter
         head = {"id": self.request_id, "object": obj, "created": self.created,
-                "model": f"{self.model.name}:{adapter}" if adapter else self.model.name,
+                "model": self.gen.model_name or self.model.name,
                 "system_fingerprint": self.model.snapshot_id}
         return head if adapter is None else {**head, "adapter": adapter}
 
@@ -77,7 +77,8 @@ class Reply:
                     reason = "tool_calls"
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         text = (self.gen.echo or "") + out.text
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return self._with_prompt_logprobs(choice, out)
 
     def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any] | None:
         """The SSE chunk for what ``out`` adds, or None when it adds nothing a client would see. ``first``: the
@@ -104,6 +105,8 @@ class Reply:
         else:
             text = (self.gen.echo or "") + out.new_text if first else out.new_text
             choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            if first:
+                choice = self._with_prompt_logprobs(choice, out)
             body = self._head("text_completion")
         body["choices"] = [choice]
         if self.gen.include_usage:
@@ -125,6 +128,7 @@ class Reply:
         """Completions' logprobs of the echoed prompt: none for its first token (nothing came before it)."""
         text = self.model.token_text
         entries = out.prompt_logprobs or []
+        top_n = self.gen.logprobs
         tokens = [text(t) for t in out.prompt_token_ids]
         offsets = []
         offset = self.text_offsets.get(index, 0)
@@ -134,9 +138,28 @@ class Reply:
         self.text_offsets[index] = offset
         return {"tokens": tokens,
                 "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in entries],
-                "top_logprobs": [None if lp is None else {text(t): _finite(v) for t, v in _ranked(lp.top)}
+                "top_logprobs": [None if lp is None else {text(t): _finite(v) for t, v in _ranked(lp.top, top_n)}
                                  for lp in entries],
                 "text_offset": offsets}
+
+    def _with_prompt_logprobs(self, choice: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+        """vLLM's prompt_logprobs beside a completion choice, where asked: per prompt token None (the first)
+        or {token id: {logprob, rank, decoded_token}} for the prompt's token and the top-n there."""
+        top_n = self.gen.prompt_logprobs
+        if top_n is None:
+            return choice
+        text = self.model.token_text
+
+        def entry(lp: TokenLogprobs) -> dict[str, dict[str, Any]]:
+            ranked = _ranked(lp.top, top_n)
+            found = {t: {"logprob": _finite(v), "rank": r, "decoded_token": text(t)}
+                     for r, (t, v) in enumerate(ranked, start=1)}
+            if lp.token_id not in found:
+                found = {lp.token_id: {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                       "decoded_token": text(lp.token_id)}, **found}
+            return {str(t): v for t, v in found.items()}
+
+        return {**choice, "prompt_logprobs": [None if lp is None else entry(lp) for lp in out.prompt_logprobs or []]}
 
     def _delta(self, out: RequestOutput, index: int) -> dict[str, Any]:
         """A chat chunk's delta: the new text, or with --reasoning-parser its new reasoning and content."""
@@ -175,8 +198,9 @@ class Reply:
                 "text_offset": offsets}
 
 
-def _ranked(top: dict[int, float]) -> list[tuple[int, float]]:
-    return sorted(top.items(), key=lambda kv: -kv[1])
+def _ranked(top: dict[int, float], n: int | None = None) -> list[tuple[int, float]]:
+    """The alternatives most likely first; the first ``n`` of them where given."""
+    return sorted(top.items(), key=lambda kv: -kv[1])[:n]
 
 
 def _finite(lp: float) -> float:

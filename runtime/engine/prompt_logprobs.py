@@ -31,8 +31,10 @@ def record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> N
         return
     targets = [seq.token_ids[start + j + 1] for j in rows]
     lp = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
+    chosen_lp = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+    chosen = chosen_lp[:, 0].tolist()
+    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()  # vLLM's rank: 1 + the tokens more likely
     top_vals, top_ids = lp.topk(top_n, dim=-1) if top_n else (lp[:, :0], lp[:, :0].long())
     for k, token in enumerate(targets):
         top = dict(zip(top_ids[k].tolist(), top_vals[k].tolist(), strict=True))
-        seq.prompt_logprobs.append(TokenLogprobs(token, chosen[k], top))
+        seq.prompt_logprobs.append(TokenLogprobs(token, chosen[k], top, ranks[k]))

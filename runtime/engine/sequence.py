@@ -36,6 +36,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None  # the chosen token's 1-based rank in the vocabulary, where computed (prompt logprobs)
 
 
 @dataclass(eq=False)

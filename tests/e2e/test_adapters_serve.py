@@ -106,7 +106,7 @@ def test_a_request_names_its_adapter(client: TestClient, reference: LLM, how: st
     want = reference.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
                               adapter="finance")[0]
     base = reference.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
-    assert body["adapter"] == "finance" and body["model"] == "tiny:finance"
+    assert body["adapter"] == "finance" and body["model"] == {"bare": "finance"}.get(how, "tiny:finance")  # as sent
     assert body["choices"][0]["text"] == want.text != base.text
     assert body["usage"]["prompt_tokens"] == len(prompt)  # the virtual tokens are not the user's
 
@@ -202,6 +202,14 @@ def test_real_server_serves_adapters_over_the_wire(snap: TinySnapshot) -> None:
         base = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
                                          extra_body={"ignore_eos": True})
         assert bare.choices[0].text == named.choices[0].text != base.choices[0].text
+        # As vLLM, every endpoint reports the model by the name the client sent.
+        assert (bare.model, named.model, base.model) == ("finance", "tiny:finance", "tiny")
+        chat = client.chat.completions.create(model="finance", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+        whole = client.responses.create(model="finance", input="hi", max_output_tokens=2)
+        streamed = [e for e in client.responses.create(model="finance", input="hi", max_output_tokens=2, stream=True)
+                    if e.type in ("response.created", "response.completed")]
+        assert [chat.model, whole.model, *(e.response.model for e in streamed)] == ["finance"] * 4
         assert [m.id for m in client.models.list()] == ["tiny", "cooking", "finance", "travel"]
     finally:
         assert server.stop() == 0

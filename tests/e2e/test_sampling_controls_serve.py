@@ -65,7 +65,7 @@ def words(tok: Tokenizer) -> list[int]:
 def complete(client: openai.OpenAI, **kw: Any) -> Any:
     args: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, **kw}
     extra = {k: args.pop(k) for k in ("min_tokens", "repetition_penalty", "bad_words", "stop_token_ids",
-                                      "ignore_eos") if k in args}
+                                      "ignore_eos", "prompt_logprobs", "skip_special_tokens") if k in args}
     return client.completions.create(**args, extra_body=extra or None)
 
 
@@ -143,6 +143,57 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_first(client: openai.Open
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     streamed = list(complete(client, prompt=prompt, max_tokens=4, logprobs=2, echo=True, stream=True))
     assert [t for c in streamed for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])] == lp.tokens
+
+
+def test_prompt_logprobs_in_vllms_shape_whole_and_streamed(client: openai.OpenAI, tok: Tokenizer) -> None:
+    prompt = [5, 9, 300, 301, 302]
+    echoed = complete(client, prompt=prompt, max_tokens=2, logprobs=3, echo=True).choices[0].logprobs
+    whole = complete(client, prompt=prompt, max_tokens=2, prompt_logprobs=2).model_dump()["choices"][0]
+    assert whole["logprobs"] is None  # prompt_logprobs alone asks nothing of the generated tokens
+    entries = whole["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for k, entry in enumerate(entries[1:], start=1):
+        chosen = entry[str(prompt[k])]
+        assert chosen["logprob"] == pytest.approx(echoed.token_logprobs[k], abs=1e-4)
+        assert chosen["decoded_token"] == tok.decode([prompt[k]])
+        top = sorted((v for t, v in entry.items() if v["rank"] <= 2), key=lambda v: v["rank"])
+        assert [v["rank"] for v in top] == [1, 2]  # the top 2, beside the prompt's token whatever its rank
+        assert [v["logprob"] for v in top] == pytest.approx(sorted(echoed.top_logprobs[k].values(), reverse=True)[:2],
+                                                            abs=1e-4)
+        assert chosen["rank"] >= 1 and (chosen["rank"] <= 2) == (len(entry) == 2)
+    first, *rest = [c.model_dump()["choices"][0] for c in complete(client, prompt=prompt, max_tokens=2,
+                                                                    prompt_logprobs=2, stream=True)]
+    assert first["prompt_logprobs"] == entries and all("prompt_logprobs" not in c for c in rest)
+    both = complete(client, prompt=prompt, max_tokens=2, logprobs=3, echo=True, prompt_logprobs=1)
+    assert [set(top) for top in both.choices[0].logprobs.top_logprobs[1:5]] == [
+        set(top) for top in echoed.top_logprobs[1:5]] and all(len(top) == 3 for top in echoed.top_logprobs[1:5])
+    assert all(len(e) <= 2 for e in both.model_dump()["choices"][0]["prompt_logprobs"][1:])  # each its own top-n
+    none = complete(client, prompt=prompt, max_tokens=2, prompt_logprobs=0).model_dump()["choices"][0]
+    assert [e and list(e) for e in none["prompt_logprobs"]] == [None, *([str(t)] for t in prompt[1:])]
+
+
+def test_skip_special_tokens_false_keeps_a_forced_special_token(client: openai.OpenAI, tok: Tokenizer) -> None:
+    bos = tok.decode([1], skip_special_tokens=False)
+    forced = {"logit_bias": {"1": 100}, "max_tokens": 3}
+    kept = complete(client, **forced, skip_special_tokens=False).choices[0].text
+    assert kept == bos * 3 and complete(client, **forced).choices[0].text == ""
+    chat = [{"role": "user", "content": "hi"}]
+    replies = [client.chat.completions.create(model="tiny", messages=chat, temperature=0,  # type: ignore[arg-type]
+                                              extra_body={"skip_special_tokens": skip}, **forced)
+               for skip in (False, True)]  # fmt: skip
+    assert [r.choices[0].message.content for r in replies] == [bos * 3, ""]
+
+
+def test_vllm_fields_with_bad_values_or_out_of_place_are_a_400(client: openai.OpenAI) -> None:
+    for kw, param in (({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                      ({"skip_special_tokens": "no"}, "skip_special_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(client, **kw)
+        assert e.value.param == param, e.value.body
+    with pytest.raises(openai.BadRequestError, match="completions only") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"prompt_logprobs": 1})
+    assert e.value.param == "prompt_logprobs"
 
 
 def prompt_tokens_computed(server: ServerProcess) -> float:

@@ -48,6 +48,7 @@ def test_prompt_logprobs_equal_the_generated_tokens_logprobs(llama_dir: pathlib.
             assert lp is not None
             assert lp.logprob == pytest.approx(want.logprob, abs=1e-4)
             assert list(lp.top) == list(want.top) and len(lp.top) == 2
+            assert lp.rank == 1  # greedy: each generated token was the most likely (vLLM's rank, 1-based)
 
 
 def test_without_prompt_logprobs_the_output_has_none(llama_dir: pathlib.Path) -> None:
