@@ -124,18 +124,23 @@ class Reply:
         body = self._logprobs(lps, index)
         return {key: head[key] + body[key] for key in body}
 
-    def _prompt_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any]:
-        """Completions' logprobs of the echoed prompt: none for its first token (nothing came before it)."""
-        text = self.model.token_text
-        entries = out.prompt_logprobs or []
-        top_n = self.gen.logprobs
-        tokens = [text(t) for t in out.prompt_token_ids]
+    def _advance_offsets(self, index: int, tokens: list[str]) -> list[int]:
+        """Each token's character offset in choice ``index``'s text so far, which then moves past them."""
         offsets = []
         offset = self.text_offsets.get(index, 0)
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
         self.text_offsets[index] = offset
+        return offsets
+
+    def _prompt_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any]:
+        """Completions' logprobs of the echoed prompt: none for its first token (nothing came before it)."""
+        text = self.model.token_text
+        entries = out.prompt_logprobs or []
+        top_n = self.gen.logprobs
+        tokens = [text(t) for t in out.prompt_token_ids]
+        offsets = self._advance_offsets(index, tokens)
         return {"tokens": tokens,
                 "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in entries],
                 "top_logprobs": [None if lp is None else {text(t): _finite(v) for t, v in _ranked(lp.top, top_n)}
@@ -187,12 +192,7 @@ class Reply:
             return {"content": [{**entry(lp.token_id, lp.logprob),
                                  "top_logprobs": [entry(t, v) for t, v in _ranked(lp.top)]} for lp in lps]}
         tokens = [text(lp.token_id) for lp in lps]
-        offsets = []
-        offset = self.text_offsets.get(index, 0)
-        for s in tokens:
-            offsets.append(offset)
-            offset += len(s)
-        self.text_offsets[index] = offset
+        offsets = self._advance_offsets(index, tokens)
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
                 "top_logprobs": [{text(t): _finite(v) for t, v in _ranked(lp.top)} for lp in lps],
                 "text_offset": offsets}

@@ -16,17 +16,7 @@ import pytest
 
 from tests.support.mistral_model import mistral_tool_model_dir
 from tests.support.serving import KEY, ServerProcess, build_tiny_snapshot
-
-WEATHER: Any = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome", "Lima"]},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME: Any = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 5}},
-                                       "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-MESSAGES: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
+from tests.support.tools import MESSAGES, TOOLS
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,9 @@ import openai
 import pytest
 
 from tests.support.serving import KEY, ServerProcess, build_tiny_snapshot
+from tests.support.tools import MESSAGES, TOOLS
 
 QWEN_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "qwen2.5.jinja"
-WEATHER: Any = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome", "Lima"]},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME: Any = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 5}},
-                                       "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-MESSAGES: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
 @pytest.fixture(scope="module")
