@@ -94,6 +94,10 @@ class DecodeGraphs:
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.slots = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros(largest, width, dtype=torch.long, device=device)
+        # A graph reads its inputs at the addresses captured, so even the constant row index is a buffer kept
+        # here: a tensor made for the capture and then dropped goes back to the allocator, and replays would
+        # read whatever is stored there next.
+        self.rows = torch.arange(largest, dtype=torch.long, device=device)
         self.graphs: dict[int, Callable[[], Any]] = {}  # batch size -> replay
         self.logits: dict[int, torch.Tensor] = {}
         self.pending = sorted(set(batch_sizes))  # not captured yet, smallest first
@@ -104,10 +108,11 @@ class DecodeGraphs:
         start = self.clock()
         group = AttentionGroup(slice(0, size), self.tables[:size], self.positions[:size], 0, True, self.block_size)
         meta = AttentionMetadata(slot_mapping=self.slots[:size], groups=[group])
-        rows = torch.arange(size, device=self.input_ids.device)
 
         def step() -> torch.Tensor:
-            return self.model.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, rows)
+            return self.model.forward(
+                self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.rows[:size]
+            )
 
         with torch.inference_mode():
             # The buffers still hold the last replay's batch: its slots would be written by the warm-up.
@@ -164,13 +169,16 @@ class DecodeGraphs:
         size = self.size_for(batch)
         if size is None:
             return None
-        table = torch.zeros(size, self.tables.shape[1], dtype=torch.long)
+        # The kernel reads a row's table only up to its sequence's last block (a padding row: block 0), so
+        # only that many columns are sent, not the pool's width (64 rows x 32k blocks would be 16 MB a step).
+        width = max(len(t) for t in tables)
+        table = torch.zeros(size, width, dtype=torch.long)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t)
         pad = size - batch
         self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
         self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slots[:size].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.tables[:size].copy_(table, non_blocking=True)
+        self.tables[:size, :width].copy_(table, non_blocking=True)
         self.graphs[size]()
         return self.logits[size][:batch]

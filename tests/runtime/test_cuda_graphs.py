@@ -21,7 +21,7 @@ import torch
 from runtime import AsyncLLM, EngineOptions, LLMEngine, SamplingParams
 from runtime.engine.cuda_graphs import DecodeGraphs, batch_sizes_for
 from runtime.models.model import Model
-from tests.support.graphs import RerunBackend
+from tests.support.graphs import AddressBackend, RerunBackend
 
 ModelDir = Callable[[str], pathlib.Path]
 
@@ -113,6 +113,19 @@ def test_replayed_decode_steps_generate_what_eager_steps_do(triton_ops: None, ti
     assert sorted(graphs.graphs) == [1, 4] and graphs.pending == [2]
     phase, _, details = e.runner.startup[-1]
     assert phase == "graphs" and details["batch_sizes"] == [1] and details["deferred"] == [2, 4]
+
+
+def test_every_tensor_a_captured_step_reads_outlives_the_capture(triton_ops: None, tiny_model_dir: ModelDir) -> None:
+    """A replay reads the addresses the capture saw: a tensor made for the capture and dropped after it (as the
+    row index once was) is memory the allocator hands out again, and on an H200 the replay's gather read garbage."""
+    import gc
+
+    e = engine(tiny_model_dir("llama"))
+    backend = AddressBackend()
+    e.runner.capture_decode_graphs((1, 4), budget_s=9.0, backend=backend)
+    gc.collect()
+    assert backend.read, "the recording saw no reads"
+    assert backend.dropped() == []
 
 
 def test_capture_after_serving_does_not_write_the_last_batch_kv(triton_ops: None, tiny_model_dir: ModelDir) -> None:
