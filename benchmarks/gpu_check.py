@@ -15,6 +15,8 @@ processes get what is left of the budget as their timeout, so the run ends withi
    benchmarks/hf_handler.py on the same GPU, side by side with the ratio.
 3. engine_vs_transformers: every tiny model family on CUDA (Triton kernels, decode CUDA graphs) against
    transformers' greedy tokens in float32.
+   bf16_drift (benchmarks/bf16_drift.py): the served models' last-position logits from float32, ours in bfloat16
+   against transformers in bfloat16 (the bf16 verdict: bf16 greedy runs of random-weight models part early).
 4. bench_models, first_call: each kernel's first call (compile) and second call at SmolLM2-135M's shapes,
    with an empty Triton cache and again in a fresh process over the cache the first filled.
 5. throughput: ours (bf16, CUDA, kernels + graphs) and transformers (bf16, CUDA, one static batch) on the
@@ -292,6 +294,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bf16_drift_section(dry: bool, device: torch.device, deadline: float) -> dict:
+    """Logit drift from float32, ours in bfloat16 against transformers in bfloat16 (benchmarks/bf16_drift.py):
+    the bf16 verdict, since two bf16 greedy runs of a random-weight model part within a few tokens."""
+    from benchmarks.bf16_drift import drift, verdict
+    from benchmarks.gpu_served import SERVED_MODELS
+
+    models = {"tiny-llama": tiny_model("llama")} if dry else {name: bench_model_dir(name) for name in SERVED_MODELS}
+    lens = [7, 30] if dry else [7, 60, 200, 400]
+    results: dict[str, Any] = {}
+    for name, model_dir in models.items():
+        if left(deadline) < 20:
+            results[name] = {"skipped": "past the time budget"}
+            continue
+        results[name] = verdict(drift(model_dir, device, lens))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
 def tiny_model(family: str) -> Path:
     from tests.support.model_configs import FAMILIES
 
@@ -334,13 +355,13 @@ def failures(report: dict[str, Any]) -> list[str]:
             if "error" in row:
                 out.append(f"{name} {key}: {str(row['error'])[:300]}")
             if row.get("matches") is False or row.get("greedy", {}).get("matches") is False:
-                out.append(f"{name} {key}: greedy tokens differ from transformers")
+                out.append(f"{name} {key}: differs from transformers")
     return out
 
 
 # Seconds a section needs to be worth starting (served and throughput also check per model).
-MIN_SECONDS = {"host_to_device": 10, "served": 60, "engine_vs_transformers": 30, "bench_models": 20,
-               "first_call": 30, "throughput": 30, "kernels": 30}
+MIN_SECONDS = {"host_to_device": 10, "served": 60, "engine_vs_transformers": 30, "bf16_drift": 30,
+               "bench_models": 20, "first_call": 30, "throughput": 30, "kernels": 30}
 
 
 def markdown(report: dict) -> str:
@@ -396,6 +417,7 @@ def main() -> None:
         ("host_to_device", lambda: host_to_device(device)),
         ("served", lambda: served_section(dry, device, deadline, h2d())),
         ("engine_vs_transformers", lambda: engine_vs_transformers(dry, device, deadline)),
+        ("bf16_drift", lambda: bf16_drift_section(dry, device, deadline)),
         ("bench_models", lambda: make_bench_models(dry, bench_dirs)),
         ("first_call", lambda: first_call(dry, bench_dirs, deadline)),
         ("throughput", lambda: throughput(dry, device, bench_dirs, deadline)),

@@ -212,8 +212,11 @@ def greedy_vs_transformers(base: str, model_dir: Path, dtype: str, device: torch
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    # In bfloat16 two implementations of a random-weight model part within a few tokens (on an H200 both ours and
+    # transformers' logits drift 2-5 from float32 at 60-400 tokens): counted here, judged by gpu_check's bf16_drift.
+    exact = dtype == "float32"
     return {"prompts": len(rows), "identical": sum(r["identical"] for r in rows),
-            "matches": all(r["identical"] or r["near_tie"] for r in rows), "rows": rows}
+            "matches": all(r["identical"] or r["near_tie"] for r in rows) if exact else None, "rows": rows}
 
 
 def compare(model: Any, device: torch.device, dtype: str, prompt: list[int], ref_ids: list[int], ours: list[str],

@@ -43,6 +43,8 @@ def test_gpu_check_dry_run_fills_every_section(full_dry_run: DryRun) -> None:
     assert sections["engine_vs_transformers"]["result"]["llama3"] == {
         "matches": True, "ops": "triton", "graph_batch_sizes": []  # graphs are CUDA-only
     }
+    drift = sections["bf16_drift"]["result"]["tiny-llama"]
+    assert drift["matches"] and drift["ours_fp32_max_diff"] < 1e-3 and len(drift["rows"]) == 2
     kernels = sections["first_call"]["result"]["carried_cache"]["kernels"]
     assert {"decode_attention_split", "prefill_attention", "int8_matmul"} <= set(kernels)
     assert all(r["ratio"] > 0 for name, r in sections["throughput"]["result"].items() if name.startswith("tiny-"))
@@ -74,8 +76,8 @@ def test_gpu_check_dry_run_serves_from_a_real_process(full_dry_run: DryRun) -> N
 def test_gpu_check_skips_what_its_budget_leaves_no_time_for(tmp_path: Path) -> None:
     done, report = dry_run(tmp_path, "--budget-s", "0", timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert list(report["sections"]) == ["host_to_device", "served", "engine_vs_transformers", "bench_models",
-                                        "first_call", "throughput", "kernels"]
+    assert list(report["sections"]) == ["host_to_device", "served", "engine_vs_transformers", "bf16_drift",
+                                        "bench_models", "first_call", "throughput", "kernels"]
     for name, section in report["sections"].items():
         assert "budget left" in section["skipped"], name
     assert "served: skipped, 0 s of the 0 s budget left" in done.stdout
