@@ -5,6 +5,8 @@ The layout is the same in every kind of store, relative to its root:
     blobs/<id>                  immutable bytes; id = xxh3-128 of the content
     snapshots/<id>.msgpack      a manifest; id = xxh3-128 of these bytes (the snapshot id)
     refs/<name>                 text: a snapshot id (refs are the only thing ever overwritten)
+    loras/<snapshot id>.<name>  text: the id of the blob holding a LoRA adapter pushed against that snapshot
+                                (`warmstart lora push`; overwritten like a ref; see snapshot/lora.py)
 
 Two kinds: a local directory (a plain path or file://PATH; `LocalStore`, here) and S3 or any S3-compatible
 endpoint (s3://BUCKET/PREFIX; `S3Store` in snapshot.s3). `Store` holds the layout and the checks; a kind only
@@ -255,6 +257,54 @@ class Store(ABC):
                 bad[name] = self._bad_ref(name, target)
         return good, bad
 
+    # LoRA adapters pushed against a snapshot: a ref-like pointer at the blob of the adapter's document.
+    def set_lora(self, snapshot_id: str, name: str, document: str) -> None:
+        """Point adapter ``name`` of snapshot ``snapshot_id`` at the blob ``document`` (written last by a push)."""
+        check_id(snapshot_id, "snapshot")
+        check_id(document)
+        check_ref_name(name)
+        if not self.has_manifest(snapshot_id):
+            raise NotFound(f"cannot add LoRA adapter {name!r} to snapshot {snapshot_id}: it is not in {self.uri}")
+        if not self.has_blob(document):
+            raise NotFound(f"cannot point LoRA adapter {name!r} at blob {document}: it is not in {self.uri}")
+        self._put_bytes(_lora_key(snapshot_id, name), f"{document}\n".encode())
+
+    def get_lora(self, snapshot_id: str, name: str) -> str:
+        """The blob id of the document of adapter ``name`` pushed against the snapshot; NotFound when none was."""
+        check_id(snapshot_id, "snapshot")
+        check_ref_name(name)
+        what = f"LoRA adapter {name!r} of snapshot {snapshot_id}"
+        try:
+            raw = self._get_retrying(_lora_key(snapshot_id, name), what)
+        except NoSuchBucket:
+            raise
+        except NotFound:
+            pushed = sorted(n for s, n in self.list_loras() if s == snapshot_id)
+            raise NotFound(f"no {what} in {self.uri} (pushed against it: {', '.join(pushed) or 'none'}; push one "
+                           f"with `warmstart lora push NAME=DIR --snapshot {snapshot_id}`)") from None
+        target = raw.decode("utf-8", "replace").strip()
+        if not is_id(target):
+            raise StoreError(f"{what} in {self.uri} does not hold a blob id (it holds {target[:40]!r}); push it again")
+        return target
+
+    def list_loras(self) -> dict[tuple[str, str], str]:
+        """{(snapshot id, adapter name): document blob id} of every adapter pushed against a snapshot; pointers
+        that cannot be read are left out."""
+        out: dict[tuple[str, str], str] = {}
+        for key, _, _ in self._list("loras/"):
+            snapshot_id, dot, name = key.partition(".")
+            if not dot or not is_id(snapshot_id) or not is_ref_name(name):
+                continue
+            try:
+                target = self._get_retrying(_lora_key(snapshot_id, name), f"LoRA adapter {name!r}").decode().strip()
+            except NoSuchBucket:
+                raise
+            except (NotFound, UnicodeDecodeError):
+                continue
+            if is_id(target):
+                out[(snapshot_id, name)] = target
+        return out
+
     def _ref_names(self) -> list[str]:
         return sorted(name for name, _, _ in self._list("refs/") if is_ref_name(name))
 
@@ -278,6 +328,19 @@ class Store(ABC):
         if self._size(_ref_key(name)) is None:
             raise NotFound(f"ref {name!r} not found in {self.uri}")
         self._delete(_ref_key(name))
+
+    # KV tier segments (runtime/engine/kv_tier.py): named by scope and chain, not by content, under kv/.
+    def put_kv_segment(self, name: str, data: bytes) -> None:
+        self._put_bytes(_kv_key(name), data)
+
+    def get_kv_segment(self, name: str) -> bytes | None:
+        """The segment, or None when there is none (a missing bucket is an error, not a miss)."""
+        try:
+            return self._get_bytes(_kv_key(name), f"KV segment {name}")
+        except NoSuchBucket:
+            raise
+        except NotFound:
+            return None
 
     def _get_retrying(self, key: str, what: str) -> bytes:
         """The whole object, read again when the connection drops mid-body, as blob parts are."""
@@ -306,6 +369,19 @@ def _manifest_key(snapshot_id: str) -> str:
 
 def _ref_key(name: str) -> str:
     return f"refs/{name}"
+
+
+_KV_NAME = re.compile(r"^[0-9A-Za-z._-]+(/[0-9A-Za-z._-]+)*$")
+
+
+def _kv_key(name: str) -> str:
+    if not _KV_NAME.match(name) or any(part in (".", "..") for part in name.split("/")):
+        raise ValueError(f"not a KV segment name: {name[:200]!r}")
+    return f"kv/{name}"
+
+
+def _lora_key(snapshot_id: str, name: str) -> str:
+    return f"loras/{snapshot_id}.{name}"
 
 
 def is_ref_name(name: str) -> bool:

@@ -1,0 +1,103 @@
+"""Where the KV tier's segments live (runtime/engine/kv_tier.py): a bounded local directory that survives a
+process restart on the same host, or the object store snapshots live in (same store code and credentials).
+
+The tier holds users' conversations: the object store backend is opt-in (`--kv-tier s3`), every segment is
+named under its tenant namespace and the snapshot's id, and the disk backend keeps its files readable by the
+serving user only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+from snapshot.files import os_errors, write_all, write_atomic
+from snapshot.store import Store
+
+SEGMENT_SUFFIX = ".kv"
+
+
+class DiskBackend:
+    """Segments as files under ``root``, at most ``max_bytes`` of them: the least recently used go first.
+
+    Recency is the file's modification time (a read touches it), so a restarted process keeps the order; the
+    index is rebuilt by one scan at start."""
+
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"the KV tier's disk budget must be positive, not {max_bytes}")
+        self.root, self.max_bytes = Path(root).expanduser().absolute(), max_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[Path, int] = {}
+        self._used: dict[Path, float] = {}
+        with os_errors(f"preparing the KV tier directory {self.root}"):
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for path in self.root.rglob(f"*{SEGMENT_SUFFIX}"):
+                if not path.name.startswith("."):  # a write cut short leaves a hidden temporary
+                    st = path.stat()
+                    self._sizes[path], self._used[path] = st.st_size, st.st_mtime
+        self._evict_over(self.max_bytes)
+
+    @property
+    def bytes_stored(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / f"{key}{SEGMENT_SUFFIX}").absolute()
+        if self.root not in path.parents or ".." in key.split("/"):
+            raise ValueError(f"not a KV segment name: {key[:200]!r}")
+        return path
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            if path in self._sizes:
+                self._used[path] = time.time()
+        # Evicted meanwhile is fine: what was read is whole (files are replaced, never rewritten in place).
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return  # larger than the whole budget: not worth evicting everything for
+        self._evict_over(self.max_bytes - len(data))
+        path = self._path(key)
+        with os_errors(f"writing a KV segment into {self.root}"):
+            write_atomic(path, lambda f: write_all(f, data))
+        with self._lock:
+            self._sizes[path], self._used[path] = len(data), time.time()
+
+    def _evict_over(self, budget: int) -> None:
+        """Delete least recently used segments until at most ``budget`` bytes remain."""
+        with self._lock:
+            total = sum(self._sizes.values())
+            for path in sorted(self._used, key=self._used.__getitem__):
+                if total <= budget:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                total -= self._sizes.pop(path)
+                del self._used[path]
+
+
+class StoreBackend:
+    """Segments in a snapshot store (a local directory or s3://), under its kv/ prefix. Age limits on the bucket
+    are the bucket's lifecycle rule's job (document it to the user); the tier refuses segments past its TTL."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def get(self, key: str) -> bytes | None:
+        return self.store.get_kv_segment(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.store.put_kv_segment(key, data)

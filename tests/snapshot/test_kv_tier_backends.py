@@ -1,0 +1,78 @@
+"""The KV tier's backends: a bounded local directory (LRU, survives a restart) and the snapshot store (local
+and S3 over a real moto server)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from snapshot.kv_tier_backends import DiskBackend, StoreBackend
+from snapshot.store import LocalStore
+from snapshot.stores import open_store
+from tests.support.aws import isolate_aws
+
+
+def test_disk_keeps_the_most_recently_used_within_its_budget(tmp_path: Path) -> None:
+    disk = DiskBackend(tmp_path / "tier", max_bytes=250)
+    for name in "abc":
+        disk.put(f"ns/m/-/l/{name}", name.encode() * 100)
+        time.sleep(0.01)
+    assert disk.get("ns/m/-/l/a") is None  # three of 100 bytes do not fit 250: the oldest went
+    assert disk.get("ns/m/-/l/b") == b"b" * 100  # b is now the most recently used
+    time.sleep(0.01)
+    disk.put("ns/m/-/l/d", b"d" * 100)
+    assert disk.get("ns/m/-/l/c") is None and disk.get("ns/m/-/l/b") is not None
+    assert disk.bytes_stored <= 250
+
+
+def test_disk_survives_a_restart_and_ignores_cut_writes(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    DiskBackend(root, max_bytes=10_000).put("ns/m/-/l/x", b"kv" * 10)
+    (root / "ns" / "m" / "-" / "l" / ".y.kv.1234.tmp").write_bytes(b"half")  # a write killed midway
+    again = DiskBackend(root, max_bytes=10_000)
+    assert again.get("ns/m/-/l/x") == b"kv" * 10 and again.get("ns/m/-/l/y") is None
+    assert again.bytes_stored == 20
+    assert oct(os.stat(root).st_mode & 0o777) == "0o700"  # users' conversations: the serving user's alone
+
+
+def test_disk_shrinks_to_a_smaller_budget_at_start(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    first = DiskBackend(root, max_bytes=1_000)
+    for i in range(5):
+        first.put(f"ns/m/-/l/{i}", b"x" * 100)
+    assert DiskBackend(root, max_bytes=250).bytes_stored == 200
+
+
+@pytest.mark.parametrize("key", ["../escape", "ns/../../x", "/abs"])
+def test_names_cannot_leave_the_tier(tmp_path: Path, key: str) -> None:
+    disk = DiskBackend(tmp_path / "tier", max_bytes=1_000)
+    with pytest.raises(ValueError, match="not a KV segment name"):
+        disk.put(key, b"x")
+    with pytest.raises(ValueError, match="not a KV segment name"):
+        LocalStore(tmp_path / "store").put_kv_segment(key, b"x")
+
+
+def test_store_backend_on_a_local_store(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    backend = StoreBackend(store)
+    assert backend.get("ns/m/-/l/abc") is None
+    backend.put("ns/m/-/l/abc", b"segment")
+    assert backend.get("ns/m/-/l/abc") == b"segment"
+    assert (tmp_path / "store" / "kv" / "ns" / "m" / "-" / "l" / "abc").read_bytes() == b"segment"
+
+
+def test_store_backend_on_s3_over_a_moto_server(moto_endpoint: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    isolate_aws(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    boto3.client("s3").create_bucket(Bucket="kv-tier")
+    backend = StoreBackend(open_store("s3://kv-tier/team"))
+    assert backend.get("ns/m/-/l/abc") is None
+    backend.put("ns/m/-/l/abc", b"segment" * 1000)
+    assert backend.get("ns/m/-/l/abc") == b"segment" * 1000
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="kv-tier")["Contents"]]
+    assert keys == ["team/kv/ns/m/-/l/abc"]
