@@ -24,14 +24,19 @@ The engine's API (runtime/engine/engine.py, LLMEngine):
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
+from runtime.layers.lora import LoraSlots, LoraStep, lora_step
 from runtime.models.config import ModelConfig
 
 # The engine's fused linears and the PEFT (HF) modules they are made of, in the order of their output rows.
@@ -267,3 +272,107 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+# -- residency ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraStats:
+    """Counters for /metrics: adapters paged in (misses) and found resident (hits) at admission, load seconds."""
+
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    load_seconds: float = 0.0
+
+
+@dataclass
+class RegisteredLora:
+    name: str
+    load: Callable[[], LoraWeights]
+    rank: int
+    # Chains the prefix cache's block hashes of its requests (in place of NO_PARENT): their KV is the adapter's,
+    # never shared with the base's or another adapter's, nor with an earlier adapter of the same name.
+    hash_root: int
+
+
+class LoraManager:
+    """The registered adapters and the ``max_loras`` device slots they are paged into (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config, self.max_loras, self.max_rank, self.dtype, self.device = config, max_loras, max_rank, dtype, device
+        self.registered: dict[str, RegisteredLora] = {}
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently admitted first
+        self.slots: LoraSlots | None = None  # allocated with the first adapter
+        self.stats = LoraStats()
+        self._serial = itertools.count(1)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.registered
+
+    def names(self) -> list[str]:
+        return sorted(self.registered)
+
+    def add(self, name: str, load: Callable[[], LoraWeights], rank: int) -> None:
+        if name in self.registered:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first to replace it")
+        if not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {rank!r}; this engine serves ranks 1 to {self.max_rank} "
+                             "(raise max_lora_rank, serve --max-lora-rank)")
+        root = xxhash.xxh3_64_intdigest(f"lora\0{name}\0{next(self._serial)}".encode()) | 1  # never NO_PARENT (0)
+        self.registered[name] = RegisteredLora(name, load, rank, root)
+        if self.slots is None:
+            shapes = {m: slice_sizes(self.config, m) for m in FUSED_MODULES}
+            self.slots = LoraSlots.empty(self.max_loras, self.max_rank, shapes, self.config.num_layers, self.dtype,
+                                         self.device)
+
+    def remove(self, name: str) -> None:
+        self.registered.pop(name)
+        slot = self.resident.pop(name, None)
+        if slot is not None and self.slots is not None:
+            self.slots.clear(slot)
+
+    def hash_root(self, name: str) -> int:
+        return self.registered[name].hash_root
+
+    def slot(self, name: str) -> int:
+        return self.resident[name]
+
+    def acquire(self, name: str, busy: set[str]) -> bool:
+        """Make ``name`` resident for a request being admitted: a hit, a free slot, or the least recently admitted
+        adapter out that no request in ``busy`` uses. False, changing nothing, when every slot is busy."""
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            self.stats.hits += 1
+            return True
+        slot = next((s for s in range(self.max_loras) if s not in self.resident.values()), None)
+        if slot is None:
+            victim = next((n for n in self.resident if n not in busy), None)
+            if victim is None:
+                return False
+            slot = self.resident.pop(victim)
+        self._page_in(self.registered[name], slot)
+        self.resident[name] = slot
+        self.stats.misses += 1
+        return True
+
+    def _page_in(self, entry: RegisteredLora, slot: int) -> None:
+        assert self.slots is not None
+        start = time.perf_counter()
+        self.slots.clear(slot)
+        weights = entry.load()
+        weights.check_fits(self.config)
+        if weights.rank > entry.rank:
+            raise ValueError(f"LoRA adapter {entry.name!r} loaded with rank {weights.rank}, registered as {entry.rank}")
+        out_slices = {m: slice_sizes(self.config, m)[1] for m in FUSED_MODULES}
+        self.slots.fill(slot, weights.rank, weights.layers, out_slices)
+        self.stats.loads += 1
+        self.stats.load_seconds += time.perf_counter() - start
+
+    def step(self, row_slots: list[int]) -> LoraStep | None:
+        """The layout of a step whose flat-batch rows carry these slots (-1: none)."""
+        if self.slots is None:
+            return None
+        return lora_step(row_slots, self.slots, self.device)

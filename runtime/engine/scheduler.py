@@ -36,6 +36,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         sliding_window: int | None = None,
         lookahead: Callable[[Sequence], int] | None = None,
+        admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -44,6 +45,9 @@ class Scheduler:
         # Speculative tokens a decoding sequence may verify this step, on top of its one (see speculative).
         # They count against the token budget, and only ever take blocks that are free: never a preemption.
         self.lookahead = lookahead
+        # Whether a waiting sequence may start now, given the running ones (a LoRA adapter must get a device
+        # slot: runtime/engine/lora.py). One that may not stays in its place; those behind it go on.
+        self.admit = admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,8 +84,12 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        held: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if self.admit is not None and not self.admit(seq, self.running):
+                held.append(self.waiting.popleft())
+                continue
             n = self.blocks.start(seq, budget)
             if n == 0:
                 break
@@ -93,6 +101,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(held))
         batch.block_copies, self.blocks.pending_copies = self.blocks.pending_copies, []
         return batch
 
