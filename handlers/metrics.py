@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from handlers.coldstart import Timeline
 
 if TYPE_CHECKING:
+    from runtime.engine.lora import LoraStats
     from runtime.engine.tensor_parallel import CommStats
     from runtime.outputs import EngineStats
 
@@ -41,6 +42,7 @@ class Metrics:
         self.model_name = model_name
         self.timeline = timeline
         self.stats: EngineStats | None = None  # set just before each scrape
+        self.lora_stats: LoraStats | None = None  # likewise, while the engine serves LoRA adapters
         self.rank_loads: list[dict[str, Any]] = []  # tensor parallelism: each rank's pull and map
         self.comm: CommStats | None = None  # tensor parallelism: rank 0's collective times
         self.engine_info: dict[str, str] = {}  # device and ops, once the engine is loaded
@@ -93,8 +95,8 @@ class Metrics:
         for _ in range(tokens):
             child.observe(seconds / tokens)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        self.stats = stats
+    def render(self, stats: EngineStats | None, lora_stats: LoraStats | None = None) -> bytes:
+        self.stats, self.lora_stats = stats, lora_stats
         return generate_latest(self.registry)
 
 
@@ -136,6 +138,8 @@ class _EngineCollector(Collector):
             adapters.add_metric([str(stats.num_adapters), ",".join(stats.running_adapters),
                                  ",".join(stats.waiting_adapters)], time.time())
             yield adapters
+        if m.lora_stats is not None:
+            yield from _lora_metrics(m.lora_stats, name)
         yield counter("spec_decode_num_drafts", "Speculative verification passes (one per sequence and step).",
                       stats.spec_num_drafts if stats else 0)
         yield counter("spec_decode_num_draft_tokens", "Proposed tokens verified by the target.",
@@ -166,6 +170,20 @@ class _EngineCollector(Collector):
         yield cold
         if m.comm is not None:
             yield from _tensor_parallel_metrics(m.rank_loads, m.comm)
+
+
+def _lora_metrics(stats: LoraStats, name: list[str]) -> Iterator[Metric]:
+    """The engine's LoRA page-ins (runtime/engine/lora.py LoraStats). The engine keeps the count and the sum of load
+    times, not each one, so the histogram has the +Inf bucket alone: its _sum over its _count is the mean."""
+    load = HistogramMetricFamily(PREFIX + "lora_load_seconds", "Seconds to page a LoRA adapter into a device slot "
+                                 "(read its blob, verify, copy).", labels=["model_name"])
+    load.add_metric(name, [("+Inf", stats.loads)], stats.load_seconds)
+    yield load
+    for key, doc in (("hits", "Requests admitted whose LoRA adapter was already resident."),
+                     ("misses", "Requests admitted whose LoRA adapter had to be paged in.")):
+        family = CounterMetricFamily(PREFIX + f"lora_cache_{key}", doc, labels=["model_name"])
+        family.add_metric(name, getattr(stats, key))
+        yield family
 
 
 def _tensor_parallel_metrics(rank_loads: list[dict[str, Any]], comm: CommStats) -> Iterator[Metric]:
