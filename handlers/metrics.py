@@ -43,6 +43,7 @@ class Metrics:
         self.timeline = timeline
         self.stats: EngineStats | None = None  # set just before each scrape
         self.lora_stats: LoraStats | None = None  # likewise, while the engine serves LoRA adapters
+        self.max_loras = 0  # LoRA adapters resident at once (the engine's max_loras), once it is loaded
         self.rank_loads: list[dict[str, Any]] = []  # tensor parallelism: each rank's pull and map
         self.comm: CommStats | None = None  # tensor parallelism: rank 0's collective times
         self.engine_info: dict[str, str] = {}  # device and ops, once the engine is loaded
@@ -131,11 +132,13 @@ class _EngineCollector(Collector):
                       stats.prefix_cache_hits if stats else 0)
         yield counter("num_preemptions", "Sequences preempted for lack of KV cache blocks.",
                       stats.num_preemptions if stats else 0)
-        if stats is not None and stats.num_adapters:
-            # vLLM's LoRA info gauge: the labels carry the adapters in use, the value is when it was read.
+        if stats is not None and (stats.num_adapters or m.lora_stats is not None):
+            # vLLM's LoRA info gauge: the labels carry the adapters in use, the value is when it was read. max_lora:
+            # the adapters a batch can hold at once, compiled ones (always there) and LoRA slots (--max-loras).
             adapters = GaugeMetricFamily(PREFIX + "lora_requests_info", "Adapters of running and waiting requests.",
                                          labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            adapters.add_metric([str(stats.num_adapters), ",".join(stats.running_adapters),
+            max_lora = stats.num_adapters + (m.max_loras if m.lora_stats is not None else 0)
+            adapters.add_metric([str(max_lora), ",".join(stats.running_adapters),
                                  ",".join(stats.waiting_adapters)], time.time())
             yield adapters
         if m.lora_stats is not None:

@@ -184,6 +184,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         state.loras = {lora["name"]: {**lora, "source": "snapshot"} for lora in lora_summaries(manifest)}
         state.lora_source = LoraSource(store, blob_cache, report.snapshot_id)
         state.metrics.engine_info = {"device": summary["device"], "ops": summary["ops"]}
+        state.metrics.max_loras = engine.options.max_loras
         state.metrics.device_copy = report.device_copy
         if state.group is not None:
             info["tensor_parallel"] = {"size": state.group.world, "backend": state.group.backend, "ranks": rank_loads}

@@ -155,3 +155,5 @@ def test_the_routes_need_the_api_key_and_metrics_count_page_ins(server: ServerPr
     assert values["warmstart:lora_cache_misses_total"] >= 3
     assert values["warmstart:lora_load_seconds_count"] == values["warmstart:lora_cache_misses_total"]
     assert values["warmstart:lora_load_seconds_sum"] > 0
+    info = next(line for line in text.splitlines() if line.startswith("warmstart:lora_requests_info{"))
+    assert 'max_lora="1"' in info  # --max-loras 1, no compiled adapters
