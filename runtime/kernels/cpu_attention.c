@@ -765,6 +765,39 @@ static PyObject *prefill_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(prefill_levels[prefill_level]);
 }
 
+/* ---- The KV write: each new token's key and value rows copied to their pool slots ----
+ * k and v: [N, kv_heads, head_dim] with rows k_stride / v_stride elements apart (views of the qkv output). One
+ * copy per (token, head) row; index_copy_ over the transposed views did the same with a parallel region and
+ * strided indexing per call. */
+static PyObject *write_kv(PyObject *self, PyObject *args) {
+    unsigned long long k_pool, v_pool, k, v, slots_ptr;
+    long long n, kv_heads, head_dim, pool_slots, k_stride, v_stride, elem;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLL", &k_pool, &v_pool, &k, &v, &slots_ptr, &n, &kv_heads, &head_dim,
+                          &pool_slots, &k_stride, &v_stride, &elem))
+        return NULL;
+    const int64_t *slots = (const int64_t *)(uintptr_t)slots_ptr;
+    for (long long i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= pool_slots) {
+            PyErr_Format(PyExc_ValueError, "write_kv: slot %lld of token %lld is outside the pool's %lld slots",
+                         (long long)slots[i], i, pool_slots);
+            return NULL;
+        }
+    char *kp = (char *)(uintptr_t)k_pool, *vp = (char *)(uintptr_t)v_pool;
+    const char *ks = (const char *)(uintptr_t)k, *vs = (const char *)(uintptr_t)v;
+    const size_t row = (size_t)(head_dim * elem);
+    Py_BEGIN_ALLOW_THREADS
+    /* One thread: a step's rows are a few MB at most, copied at memory speed; a parallel region costs more than
+     * it saves, far more when another process holds the other core. */
+    for (long long i = 0; i < n; i++)
+        for (long long h = 0; h < kv_heads; h++) {
+            const size_t dst = (size_t)((h * pool_slots + slots[i]) * head_dim * elem);
+            memcpy(kp + dst, ks + (size_t)((i * k_stride + h * head_dim) * elem), row);
+            memcpy(vp + dst, vs + (size_t)((i * v_stride + h * head_dim) * elem), row);
+        }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(out, q, k, v, tables, key_start, key_end, batch, heads, kv_heads, head_dim, block_size, "
@@ -772,6 +805,9 @@ static PyMethodDef methods[] = {
     {"prefill", prefill, METH_VARARGS,
      "prefill(out, q, k, v, tables, seqs, nseq, heads, kv_heads, head_dim, block_size, table_width, head_stride, "
      "q_stride, out_stride, window, scale, bf16, num_threads): pointers as ints; see the comment above prefill."},
+    {"write_kv", write_kv, METH_VARARGS,
+     "write_kv(k_pool, v_pool, k, v, slots, n, kv_heads, head_dim, pool_slots, k_stride, v_stride, elem_size): "
+     "pointers as ints; see the comment above write_kv."},
     {"prefill_isa", prefill_isa, METH_VARARGS,
      "prefill_isa([name]): the instruction set prefill uses (portable, avx512, avx512_bf16); a name lowers it "
      "(for tests)."},

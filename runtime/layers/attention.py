@@ -133,7 +133,32 @@ class AttentionMetadata:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [N, kv_heads, head_dim]."""
+    """cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [N, kv_heads, head_dim].
+
+    A CPU pool in float32 or bfloat16 is written by the C kernel (row copies, k and v read in place), else by
+    ``write_kv_torch``."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    if (
+        _cpu_attention is not None
+        and cache.device.type == "cpu"
+        and cache.is_contiguous()
+        and cache.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == v.dtype == cache.dtype
+        and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+    ):
+        _cpu_attention.write_kv(
+            cache[0].data_ptr(), cache[1].data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
+            k.shape[0], kv_heads, head_dim, cache.shape[2] * cache.shape[3], k.stride(0), v.stride(0),
+            cache.element_size(),
+        )  # fmt: skip
+        return
+    write_kv_torch(cache, k, v, slot_mapping)
+
+
+def write_kv_torch(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` in PyTorch ops (the reference, and other devices and dtypes)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     cache[0].view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     cache[1].view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))

@@ -226,3 +226,28 @@ def test_engine_prefills_on_the_kernel(tiny_model_dir, monkeypatch: pytest.Monke
     with_sdpa = run()
     assert not calls
     assert with_kernel == with_sdpa
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 700])
+def test_write_kv_kernel_equals_index_copy(dtype: torch.dtype, tokens: int) -> None:
+    """k and v as views of one qkv row each (as the model passes them), slots scattered over the pool."""
+    gen = torch.Generator().manual_seed(6)
+    kv_heads, head_dim, num_blocks, block_size = 3, 64, 60, 16
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([9 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    want = cache.clone()
+    attention.write_kv_torch(want, k, v, slots)
+    write_kv(cache, k, v, slots)
+    assert torch.equal(cache, want)
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool() -> None:
+    cache = torch.zeros(2, 1, 4, 8, 16)
+    k = torch.ones(2, 1, 16)
+    with pytest.raises(ValueError, match="slot 32 of token 1 is outside the pool's 32 slots"):
+        write_kv(cache, k, k, torch.tensor([0, 32]))
+    assert not cache.any()
