@@ -629,7 +629,8 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
 
 AVX512BF16 static void prefill_avx512(const PrefillArgs *a, int64_t s, int64_t h, int64_t tile, Scratch *sc,
                                       int dots) {
-    const int rows = (int)(a->tile_queries * (a->heads / a->kv_heads));
+    const int64_t queries = pf_min(a->seqs[4 * s + 1] - tile * a->tile_queries, a->tile_queries);
+    const int rows = (int)(queries * (a->heads / a->kv_heads)); /* a short chunk's tile uses fewer vectors */
     switch ((rows + 15) / 16 * 2 + (dots != 0)) {
     case 2: prefill_avx512_impl(a, s, h, tile, sc, 1, 0); break;
     case 3: prefill_avx512_impl(a, s, h, tile, sc, 1, 1); break;
