@@ -73,18 +73,24 @@ def client(server: ServerProcess) -> openai.OpenAI:
 def test_adapters_and_base_mixed_in_one_concurrent_stream_equal_the_in_process_engine(
         server: ServerProcess, reference: LLM) -> None:
     c = client(server)
-    jobs = [(model, prompt) for prompt in PROMPTS for model in ("tiny", "sql", "chat", "tiny:sql")]
+    names = {"tiny": None, "sql": "sql", "chat": "chat", "tiny:sql": "sql", "adapter=chat": "chat"}
+    jobs = [(how, prompt) for prompt in PROMPTS for how in names]  # the ways a request names its adapter
+
+    def send(how: str, prompt: list[int]) -> Any:
+        model, extra = ("tiny", {"adapter": how[8:]}) if how.startswith("adapter=") else (how, {})
+        return c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True, **extra})
+
     with ThreadPoolExecutor(len(jobs)) as pool:  # all at once: one stream, one slot for two adapters
-        served = list(pool.map(lambda job: c.completions.create(
-            model=job[0], prompt=job[1], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}), jobs))
+        served = list(pool.map(lambda job: send(*job), jobs))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    adapters = [None if m == "tiny" else m.removeprefix("tiny:") for m, _ in jobs]
+    adapters = [names[how] for how, _ in jobs]
     want = reference.generate([p for _, p in jobs], params, adapter=adapters)
     assert [s.choices[0].text for s in served] == [w.text for w in want]
     texts = {(a, tuple(job[1])): w.text for job, a, w in zip(jobs, adapters, want, strict=True)}
     for name in ("sql", "chat"):  # the adapters matter
         assert any(texts[(name, tuple(p))] != texts[(None, tuple(p))] for p in PROMPTS)
-    assert [s.model for s in served] == [m for m, _ in jobs]  # as sent, as vLLM reports it
+    assert [s.model for s in served] == [{"adapter=chat": "tiny:chat"}.get(h, h) for h, _ in jobs]  # as vLLM
     assert [m.id for m in c.models.list()][:3] == ["tiny", "sql", "chat"]
 
 
