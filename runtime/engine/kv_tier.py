@@ -19,6 +19,7 @@ full), reads are futures a waiting sequence polls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import queue
 import struct
@@ -157,7 +158,7 @@ class KVTier:
             raise ValueError(f"segment_blocks must be at least 1, not {segment_blocks}")
         self.backend, self.scope, self.segment_blocks, self.max_age_s = backend, scope, segment_blocks, max_age_s
         self.stats = TierStats()
-        self._writes: queue.Queue[tuple[list[int], torch.Tensor] | None] = queue.Queue(max_pending_writes)
+        self._writes: queue.Queue[tuple[TierScope, list[int], torch.Tensor] | None] = queue.Queue(max_pending_writes)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kv-tier-reader")
@@ -165,24 +166,27 @@ class KVTier:
     def whole_segments(self, num_blocks: int) -> int:
         return num_blocks // self.segment_blocks
 
-    def save(self, hashes: Seq[int], kv: torch.Tensor) -> bool:
+    def scope_for(self, adapter: str | None) -> TierScope:
+        return self.scope if not adapter else dataclasses.replace(self.scope, adapter=adapter)
+
+    def save(self, hashes: Seq[int], kv: torch.Tensor, adapter: str | None = None) -> bool:
         """Queue one segment's KV (a copy the caller no longer touches) for writing; False when it was dropped."""
         assert len(hashes) == self.segment_blocks
         try:
-            self._writes.put_nowait((list(hashes), kv))
+            self._writes.put_nowait((self.scope_for(adapter), list(hashes), kv))
             return True
         except queue.Full:
             self.stats.add(writes_dropped=1)
             return False
 
-    def lookup(self, hashes: Seq[int], first_segment: int) -> Lookup | None:
+    def lookup(self, hashes: Seq[int], first_segment: int, adapter: str | None = None) -> Lookup | None:
         """Start loading the whole segments of the chain ``hashes`` from ``first_segment`` on; None when it has
         no whole segment past those."""
         last = self.whole_segments(len(hashes))
         if first_segment >= last:
             return None
         chain = list(hashes[: last * self.segment_blocks])
-        future = self._readers.submit(self._read_run, chain, first_segment)
+        future = self._readers.submit(self._read_run, self.scope_for(adapter), chain, first_segment)
         return Lookup(first_segment, future, time.monotonic())
 
     def segment_hashes(self, hashes: Seq[int], segment: int) -> list[int]:
@@ -198,17 +202,17 @@ class KVTier:
 
     # -- on the tier's threads ---------------------------------------------------------------------------
 
-    def _read_run(self, chain: list[int], first_segment: int) -> list[torch.Tensor]:
+    def _read_run(self, scope: TierScope, chain: list[int], first_segment: int) -> list[torch.Tensor]:
         """Segments first_segment.. of ``chain`` until the first that is absent or unusable."""
         start = time.monotonic()
         loaded: list[torch.Tensor] = []
         for segment in range(first_segment, len(chain) // self.segment_blocks):
             hashes = self.segment_hashes(chain, segment)
             try:
-                data = self.backend.get(self.scope.key(hashes[-1]))
+                data = self.backend.get(scope.key(hashes[-1]))
                 if data is None:
                     break
-                loaded.append(unpack(data, self.scope, hashes, self.max_age_s))
+                loaded.append(unpack(data, scope, hashes, self.max_age_s))
                 self.stats.add(bytes_read=len(data))
             except Exception:  # a failing or damaged tier costs a recompute, never a request
                 self.stats.add(faults=1)
@@ -218,10 +222,10 @@ class KVTier:
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            hashes, kv = item
+            scope, hashes, kv = item
             try:
-                data = pack(self.scope, hashes, kv)
-                self.backend.put(self.scope.key(hashes[-1]), data)
+                data = pack(scope, hashes, kv)
+                self.backend.put(scope.key(hashes[-1]), data)
                 self.stats.add(bytes_written=len(data), segments_written=1)
             except Exception:
                 self.stats.add(faults=1)

@@ -36,6 +36,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         sliding_window: int | None = None,
         lookahead: Callable[[Sequence], int] | None = None,
+        ready: Callable[[Sequence], bool] | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -44,6 +45,9 @@ class Scheduler:
         # Speculative tokens a decoding sequence may verify this step, on top of its one (see speculative).
         # They count against the token budget, and only ever take blocks that are free: never a preemption.
         self.lookahead = lookahead
+        # Whether a waiting sequence may be admitted yet (one loading its KV from the tier may not); those behind
+        # it go first meanwhile.
+        self.ready = ready
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,12 +84,16 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        held = 0  # waiting sequences at the head that are not ready
+        while len(self.waiting) > held and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[held]
+            if self.ready is not None and not self.ready(seq):
+                held += 1
+                continue
             n = self.blocks.start(seq, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            del self.waiting[held]
             seq.status = Status.RUNNING
             if seq.timestamps.scheduled is None:
                 seq.timestamps.scheduled = time.monotonic()
