@@ -663,6 +663,7 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_num_emitted_tokens=self.spec.num_emitted_tokens,
+            kv_tier=self.tier_link.tier.stats.counters(self.blocks.block_size) if self.tier_link else None,
         )
 
     def _blocks_from_memory(self, pinned_blocks: int, device: torch.device) -> int:

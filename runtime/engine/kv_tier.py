@@ -134,6 +134,13 @@ class TierStats:
     faults: int = 0  # a backend error, a timeout or a damaged object: computed again instead
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def counters(self, block_size: int) -> dict[str, float]:
+        with self.lock:
+            values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lock"}
+        values["hit_tokens"] = values["hit_blocks"] * block_size
+        values["miss_tokens"] = values["miss_blocks"] * block_size
+        return values
+
     def add(self, **amounts: float) -> None:
         with self.lock:
             for name, amount in amounts.items():
