@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from tests.support.aws import isolate_aws
+from tests.support.fault_proxy import FaultProxy
 from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot
 
 SERVE = ("--num-kv-blocks", "64", "--max-model-len", "256", "--kv-tier-segment-blocks", "2")
@@ -81,6 +83,60 @@ def test_turn_two_on_a_new_instance_loads_turn_one_from_s3(snap: TinySnapshot, m
     second_turn_on_a_fresh_instance(snap, ("--kv-tier", "s3", "--kv-store", "s3://kv-tier-e2e/tier"), env)
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="kv-tier-e2e")["Contents"]]
     assert keys and all(k.startswith(f"tier/kv/default/{snap.id}/") for k in keys)
+
+
+def s3_env(bucket: str, endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    isolate_aws(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+
+
+def test_a_second_replica_s_first_request_behind_a_shared_document_is_a_tier_hit(
+    snap: TinySnapshot, moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = s3_env("kv-tier-replicas", moto_endpoint, tmp_path, monkeypatch)
+    tier = ("--kv-tier", "s3", "--kv-store", "s3://kv-tier-replicas/t")
+    first, second = serve(snap, *tier, env=env), serve(snap, *tier, env=env)
+    try:
+        reply, _ = complete(first, TURN1)  # the document, asked about on the first replica
+        deadline = time.monotonic() + 30
+        while metric(first, "kv_tier_segments_written_total") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # written off the step loop, shortly after
+        got, cached = complete(second, TURN1)
+        assert got == reply and cached >= 96
+    finally:
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.parametrize("fault", ["cut", "corrupt"])
+def test_a_faulty_s3_tier_costs_a_recompute_and_shows_in_the_metrics(
+    fault: str, snap: TinySnapshot, moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket = f"kv-tier-{fault}"
+    env = s3_env(bucket, moto_endpoint, tmp_path, monkeypatch)
+    tier = ("--kv-tier", "s3", "--kv-store", f"s3://{bucket}/t")
+    writer = serve(snap, *tier, env=env)
+    try:
+        reply, _ = complete(writer, TURN1)
+    finally:
+        writer.stop()
+    keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket)["Contents"])
+    assert len(keys) >= 3
+    with FaultProxy(moto_endpoint) as proxy:
+        if fault == "cut":
+            proxy.fail(r"/kv/", nth=1, fault="cut")  # the first segment's body is cut midway
+        else:
+            boto3.client("s3").put_object(Bucket=bucket, Key=keys[0], Body=b"WSKV" + b"\0" * 64)
+        reader = serve(snap, *tier, env={**env, "AWS_ENDPOINT_URL": proxy.url})
+        try:
+            got, cached = complete(reader, TURN1)
+            assert got == reply
+            assert metric(reader, "kv_tier_faults_total") >= 1
+            assert cached < 96  # the run of segments stops at the damaged one (all three would be 96 tokens)
+        finally:
+            reader.stop()
 
 
 def test_turn_two_after_a_restart_loads_turn_one_from_the_disk(snap: TinySnapshot, tmp_path: Path) -> None:
