@@ -2,7 +2,8 @@
 
 Routes: GET /health (503 until the engine is ready, then 200), GET /status (the cold-start timeline and
 what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses, POST /tokenize, POST /detokenize; and SageMaker's container contract: GET /ping (as /health)
+POST /v1/responses, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(handlers/lora_routes.py); and SageMaker's container contract: GET /ping (as /health)
 and POST /invocations (a chat completion). Every response has an X-Request-Id (see handlers.middleware).
 """
 
@@ -23,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from handlers import responses_api, tokenize_api
+from handlers import lora_routes, responses_api, tokenize_api
 from handlers.coldstart import print_json_line
 from handlers.generate import ClientGone
 from handlers.metrics import CONTENT_TYPE
@@ -56,7 +57,8 @@ def create_app(state: ServeState) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         stats = await state.service.llm.stats() if state.healthy and state.service else None
-        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+        lora = await lora_routes.lora_stats(state.service.llm) if stats is not None and state.service else None
+        return Response(state.metrics.render(stats, lora), media_type=CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
         entry: dict[str, Any] = {"id": state.model_name, "object": "model", "owned_by": "warmstart",
@@ -67,7 +69,8 @@ def create_app(state: ServeState) -> Starlette:
         # Adapters as vLLM lists LoRA adapters: a model entry each, by its bare name, whose parent is the base.
         adapters = [{**entry, "id": a["name"], "parent": state.model_name,
                      "virtual_tokens": a["virtual_tokens"]} for a in state.info.get("adapters", [])]
-        return JSONResponse({"object": "list", "data": [entry, *adapters]})
+        loras = [{**entry, "id": name, "parent": state.model_name} for name in state.loras]
+        return JSONResponse({"object": "list", "data": [entry, *adapters, *loras]})
 
     async def generate(request: Request, parse: Parser, raw: bytes | None = None) -> Response:
         service = state.ready_service()
@@ -120,6 +123,12 @@ def create_app(state: ServeState) -> Starlette:
     async def chat(request: Request) -> Response:
         return await generate(request, parse_chat)
 
+    async def load_lora(request: Request) -> Response:
+        return await lora_routes.load_lora_adapter(state, parse_json(await read_body(request, state.limits)))
+
+    async def unload_lora(request: Request) -> Response:
+        return await lora_routes.unload_lora_adapter(state, parse_json(await read_body(request, state.limits)))
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/status", status, methods=["GET"]),
@@ -128,6 +137,8 @@ def create_app(state: ServeState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
         Route("/tokenize", tokenizing(tokenize_api.tokenize), methods=["POST"]),
         Route("/detokenize", tokenizing(tokenize_api.detokenize), methods=["POST"]),
         Route("/ping", health, methods=["GET"]),

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from handlers.coldstart import Timeline
 
 if TYPE_CHECKING:
+    from runtime.engine.lora import LoraStats
     from runtime.engine.tensor_parallel import CommStats
     from runtime.outputs import EngineStats
 
@@ -41,6 +42,8 @@ class Metrics:
         self.model_name = model_name
         self.timeline = timeline
         self.stats: EngineStats | None = None  # set just before each scrape
+        self.lora_stats: LoraStats | None = None  # likewise, while the engine serves LoRA adapters
+        self.max_loras = 0  # LoRA adapters resident at once (the engine's max_loras), once it is loaded
         self.rank_loads: list[dict[str, Any]] = []  # tensor parallelism: each rank's pull and map
         self.comm: CommStats | None = None  # tensor parallelism: rank 0's collective times
         self.engine_info: dict[str, str] = {}  # device and ops, once the engine is loaded
@@ -93,8 +96,8 @@ class Metrics:
         for _ in range(tokens):
             child.observe(seconds / tokens)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        self.stats = stats
+    def render(self, stats: EngineStats | None, lora_stats: LoraStats | None = None) -> bytes:
+        self.stats, self.lora_stats = stats, lora_stats
         return generate_latest(self.registry)
 
 
@@ -129,13 +132,17 @@ class _EngineCollector(Collector):
                       stats.prefix_cache_hits if stats else 0)
         yield counter("num_preemptions", "Sequences preempted for lack of KV cache blocks.",
                       stats.num_preemptions if stats else 0)
-        if stats is not None and stats.num_adapters:
-            # vLLM's LoRA info gauge: the labels carry the adapters in use, the value is when it was read.
+        if stats is not None and (stats.num_adapters or m.lora_stats is not None):
+            # vLLM's LoRA info gauge: the labels carry the adapters in use, the value is when it was read. max_lora:
+            # the adapters a batch can hold at once, compiled ones (always there) and LoRA slots (--max-loras).
             adapters = GaugeMetricFamily(PREFIX + "lora_requests_info", "Adapters of running and waiting requests.",
                                          labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            adapters.add_metric([str(stats.num_adapters), ",".join(stats.running_adapters),
+            max_lora = stats.num_adapters + (m.max_loras if m.lora_stats is not None else 0)
+            adapters.add_metric([str(max_lora), ",".join(stats.running_adapters),
                                  ",".join(stats.waiting_adapters)], time.time())
             yield adapters
+        if m.lora_stats is not None:
+            yield from _lora_metrics(m.lora_stats, name)
         yield counter("spec_decode_num_drafts", "Speculative verification passes (one per sequence and step).",
                       stats.spec_num_drafts if stats else 0)
         yield counter("spec_decode_num_draft_tokens", "Proposed tokens verified by the target.",
@@ -187,6 +194,20 @@ KV_TIER_METRICS = {  # counter name -> (its TierStats key, what it counts)
 def _kv_tier_metrics(counters: dict[str, float], counter: Any) -> Iterator[Metric]:
     for metric, (key, doc) in KV_TIER_METRICS.items():
         yield counter(metric, doc, counters[key])
+
+
+def _lora_metrics(stats: LoraStats, name: list[str]) -> Iterator[Metric]:
+    """The engine's LoRA page-ins (runtime/engine/lora.py LoraStats). The engine keeps the count and the sum of load
+    times, not each one, so the histogram has the +Inf bucket alone: its _sum over its _count is the mean."""
+    load = HistogramMetricFamily(PREFIX + "lora_load_seconds", "Seconds to page a LoRA adapter into a device slot "
+                                 "(read its blob, verify, copy).", labels=["model_name"])
+    load.add_metric(name, [("+Inf", stats.loads)], stats.load_seconds)
+    yield load
+    for key, doc in (("hits", "Requests admitted whose LoRA adapter was already resident."),
+                     ("misses", "Requests admitted whose LoRA adapter had to be paged in.")):
+        family = CounterMetricFamily(PREFIX + f"lora_cache_{key}", doc, labels=["model_name"])
+        family.add_metric(name, getattr(stats, key))
+        yield family
 
 
 def _tensor_parallel_metrics(rank_loads: list[dict[str, Any]], comm: CommStats) -> Iterator[Metric]:

@@ -55,6 +55,12 @@ def add_command(sub: Any) -> None:
                              "built with --draft); default off")
     engine.add_argument("--num-speculative-tokens", type=positive_int,
                         help="tokens proposed and verified per step and sequence (default 4)")
+    engine.add_argument("--max-loras", type=positive_int,
+                        help="LoRA adapters resident at once; others are paged in when a request needs one, least "
+                             "recently used out (default: the engine's)")
+    engine.add_argument("--max-lora-rank", type=positive_int,
+                        help="the largest LoRA rank served; an adapter of a higher rank is refused (default: the "
+                             "engine's)")
     engine.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
                         help="ranks the model is split across (the snapshot must be built for N); on one machine "
                              "this process is rank 0 and starts the others; under torchrun, one per process")
@@ -118,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
     engine_options = {name: getattr(args, name) for name in
                       ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "speculative",
-                       "num_speculative_tokens", "gpu_memory_utilization")
+                       "num_speculative_tokens", "gpu_memory_utilization", "max_loras", "max_lora_rank")
                       if getattr(args, name) is not None}
     if args.tensor_parallel > 1 and args.speculative:
         raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")

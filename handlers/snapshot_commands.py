@@ -1,4 +1,4 @@
-"""`warmstart build | pull | verify | ls | inspect | tag | gc`: snapshots from the command line.
+"""`warmstart build | pull | verify | ls | inspect | tag | lora push | gc`: snapshots from the command line.
 
 Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main);
 `ls` exits with LS_INCOMPLETE (3) when it listed the store but flagged entries it cannot read.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from handlers.errors import CliError, positive_int
-from handlers.manifest_summary import adapter_summaries, selector_summary
+from handlers.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 
 if TYPE_CHECKING:
     from snapshot.store import Store
@@ -36,7 +36,10 @@ def add_commands(sub: Any) -> None:
                        help="compile a PEFT prompt-tuning, P-tuning or prefix-tuning adapter into prefix KV")
     build.add_argument("--adapter-examples", action="append", default=[], metavar="NAME=FILE",
                        help="example queries for adapter NAME, one per line: builds the 'auto' selector")
-    build.add_argument("--lora", type=Path, metavar="DIR", help="merge this PEFT LoRA adapter into the weights")
+    build.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                       help="a PEFT LoRA adapter served unmerged, stored as its own blob (repeatable): requests "
+                            "pick it by name as compiled adapters are picked")
+    build.add_argument("--lora-merge", type=Path, metavar="DIR", help="merge this PEFT LoRA adapter into the weights")
     build.add_argument("--quant", default="none", help="none | int8 | int4 | nf4 (weight-only)")
     build.add_argument("--group-size", type=positive_int, default=None,
                        help="int4/nf4 group size: 32, 64, 128 or 256 (default: the largest that fits, up to 128)")
@@ -83,6 +86,16 @@ def add_commands(sub: Any) -> None:
     verify.add_argument("--concurrency", type=positive_int, default=8)
     _common(verify, cache=True)
     verify.set_defaults(func=cmd_verify)
+
+    lora = sub.add_parser("lora", help="LoRA adapters stored on their own against a snapshot")
+    lora_actions = lora.add_subparsers(dest="lora_action", metavar="ACTION")
+    push = lora_actions.add_parser("push", help="convert a PEFT LoRA adapter for a snapshot's model and upload it "
+                                                "(only its own blobs); a server of that snapshot then loads it by name "
+                                                "with POST /v1/load_lora_adapter")
+    push.add_argument("adapter", metavar="NAME=DIR", help="the adapter's name and its PEFT directory")
+    push.add_argument("--snapshot", required=True, metavar="REF", help="the base snapshot: an id, id prefix or ref")
+    _common(push, cache=True)
+    push.set_defaults(func=cmd_lora_push)
 
     gc = sub.add_parser("gc", help="delete blobs that no snapshot in the store references, and temporary files "
                                    "that killed processes left in the store and the local cache")
@@ -143,13 +156,15 @@ def cmd_build(args: argparse.Namespace) -> int:
         for name in args.tag:
             check_new_ref_name(name)  # before the build, not after it
         try:
+            merge, loras = lora_options(args.lora, args.lora_merge)
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
             prefixes += [PrefixSpec.parse(p, "system") for p in args.system]
             options = BuildOptions(
                 quant=args.quant, group_size=args.group_size, dtype=args.dtype, block_size=args.block_size,
                 prefixes=prefixes, adapters=[AdapterSpec.parse(a) for a in args.adapter],
                 adapter_examples=[AdapterSpec.parse(e, "--adapter-examples") for e in args.adapter_examples],
-                lora=args.lora, draft=args.draft, draft_quant=args.draft_quant, draft_group_size=args.draft_group_size,
+                lora=merge, loras=loras, draft=args.draft, draft_quant=args.draft_quant,
+                draft_group_size=args.draft_group_size,
                 tensor_parallel=args.tensor_parallel,
             )
             store = open_store(args.store)
@@ -165,7 +180,8 @@ def cmd_build(args: argparse.Namespace) -> int:
               "blobs_replaced": stats.blobs_replaced,
               "tags": args.tag, "prefixes": [{"name": p["name"], "tokens": len(p["token_ids"])}
                                              for p in built.manifest.data["prefixes"]],
-              "adapters": adapter_summaries(built.manifest.data), "selector": selector_summary(built.manifest.data)}
+              "adapters": adapter_summaries(built.manifest.data),
+              "loras": lora_summaries(built.manifest.data), "selector": selector_summary(built.manifest.data)}
     if args.json:
         print(json.dumps(result))
     else:
@@ -174,6 +190,25 @@ def cmd_build(args: argparse.Namespace) -> int:
         _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes"
                    f"{replaced})")
     return 0
+
+
+def lora_options(given: list[str], merge: Path | None) -> tuple[Path | None, list[Any]]:
+    """--lora values: NAME=DIR adapters served unmerged, and (deprecated) a bare DIR, merged as --lora-merge DIR."""
+    from snapshot.adapters import AdapterSpec
+    from snapshot.errors import BuildError
+
+    specs = []
+    for text in given:
+        if "=" in text and not Path(text).is_dir():
+            specs.append(AdapterSpec.parse(text, "--lora"))
+            continue
+        if merge is not None:
+            raise BuildError(f"--lora {text}: one adapter can be merged into the weights, and --lora-merge {merge} "
+                             "already is; serve the others unmerged with --lora NAME=DIR")
+        print(f"warmstart: warning: --lora DIR is deprecated: it merges {text} into the weights as --lora-merge DIR "
+            "does; use --lora-merge DIR for that, or --lora NAME=DIR to serve the adapter unmerged", file=sys.stderr)
+        merge = Path(text)
+    return merge, specs
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -316,6 +351,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for a in info["adapters"]:
         print(f"  adapter {a['name']} ({a['kind']}): {a['virtual_tokens']} virtual tokens, "
               f"{a['wasted_slots']} KV slots of padding")
+    for lora in info["loras"]:
+        print(f"  lora {lora['name']}: rank {lora['rank']}, {lora['bytes']:,} bytes in blob {lora['blob']}")
     if info["selector"] is not None:
         s = info["selector"]
         measured = f"{s['accuracy']:.1%} of {s['held_out']} held-out examples" if s["accuracy"] is not None else \
@@ -347,11 +384,36 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
         "prefixes": [{"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                       "cached_tokens": len(p["block_hashes"]) * block_size} for p in m["prefixes"]],
         "adapters": adapter_summaries(m),
+        "loras": lora_summaries(m),
         "selector": selector_summary(m),
         "tool": m["provenance"]["tool"],
         **({"draft": {"architecture": m["draft"]["model"]["architecture"], "quantization": m["draft"]["quantization"],
                       "bytes": sum(t["nbytes"] for t in m["draft"]["tensors"].values())}} if "draft" in m else {}),
     }
+
+
+def cmd_lora_push(args: argparse.Namespace) -> int:
+    with user_errors():
+        from snapshot.adapters import AdapterSpec
+        from snapshot.errors import BuildError
+        from snapshot.lora import push_lora
+        from snapshot.stores import open_store
+
+        try:
+            spec = AdapterSpec.parse(args.adapter, "lora push")
+            store = open_store(args.store)
+            sid, document, stats = push_lora(store, _cache(args), spec, args.snapshot, log=_log(args))
+        except BuildError as e:
+            raise CliError(str(e)) from None
+    result = {"name": spec.name, "snapshot": sid, "document": document, "store": store.uri,
+              "blobs_total": stats.blobs_total, "blobs_uploaded": stats.blobs_uploaded,
+              "bytes_uploaded": stats.bytes_uploaded}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{spec.name} -> snapshot {sid} (document {document})")
+        _log(args)(f"{stats.blobs_uploaded} of {stats.blobs_total} blobs uploaded ({stats.bytes_uploaded:,} bytes)")
+    return 0
 
 
 def cmd_tag(args: argparse.Namespace) -> int:

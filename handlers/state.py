@@ -6,6 +6,7 @@ snapshot loader, after the socket is bound, so that /health answers while they l
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 import traceback
@@ -17,13 +18,14 @@ from handlers.coldstart import Timeline
 from handlers.generate import Service
 from handlers.kv_tier_options import KVTierConfig
 from handlers.kv_tier_options import attach as attach_kv_tier
-from handlers.manifest_summary import adapter_summaries, selector_summary
+from handlers.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 from handlers.metrics import Metrics
 from handlers.openai_protocol import APIError, Prefix, ServedModel
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
     from runtime.engine.tensor_parallel import TensorParallelGroup
+    from snapshot.lora import LoraSource
 
 # What the server's info reports about the engine, in this order.
 ENGINE_INFO = ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -55,6 +57,10 @@ class ServeState:
     group: TensorParallelGroup | None = None  # rank 0's tensor-parallel group, when there is one
     reasoning_parser: str | None = None  # chat replies' <think> split out (handlers/reasoning.py)
     tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the template
+    # LoRA adapters served (the snapshot's, and those loaded by POST /v1/load_lora_adapter): name -> summary
+    loras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lora_source: LoraSource | None = None  # where /v1/load_lora_adapter fetches adapters: the snapshot's store
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload at a time
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.model_name, self.timeline)
@@ -90,7 +96,7 @@ class ServeState:
 
     def status_json(self) -> dict[str, Any]:
         return {"status": self.status, "model": self.model_name, "ref": self.ref, "url": self.url, **self.info,
-                **self.timeline.as_dict(), "error": self.error}
+                "loras": list(self.loras.values()), **self.timeline.as_dict(), "error": self.error}
 
     def shutdown(self) -> None:
         if self.service is not None:
@@ -116,6 +122,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         from runtime.async_engine import AsyncLLM
         from snapshot.cache import BlobCache
         from snapshot.loader import load_with_report
+        from snapshot.lora import LoraSource
 
         timeline.mark("runtime_imports")
         started = time.monotonic()
@@ -157,7 +164,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             max_model_len=summary["max_model_len"],
             kv_cache_tokens=summary["kv_cache_tokens"],
             prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
-            adapters={name: a.num_tokens for name, a in engine.adapters.items()},
+            adapters={**{name: a.num_tokens for name, a in engine.adapters.items()},
+                      **{lora["name"]: 0 for lora in manifest.get("loras", [])}},
             select_adapter=engine.select_adapter if summary["adapter_selector"] else None,
             kv_room=engine.kv_room,
             sampling_defaults=dict(engine.generation_defaults.sampling),
@@ -177,7 +185,10 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         }
         if report.device_copy is not None:
             info["device_copy"] = report.device_copy
+        state.loras = {lora["name"]: {**lora, "source": "snapshot"} for lora in lora_summaries(manifest)}
+        state.lora_source = LoraSource(store, blob_cache, report.snapshot_id)
         state.metrics.engine_info = {"device": summary["device"], "ops": summary["ops"]}
+        state.metrics.max_loras = engine.options.max_loras
         state.metrics.device_copy = report.device_copy
         if state.group is not None:
             info["tensor_parallel"] = {"size": state.group.world, "backend": state.group.backend, "ranks": rank_loads}

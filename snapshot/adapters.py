@@ -1,5 +1,6 @@
-"""PEFT adapters in, compiled at build time: soft prompts and prefix tuning become pinned prefix KV, LoRA is
-merged into the weights, and example queries become the "auto" selector's centroids.
+"""PEFT adapters in, compiled at build time: soft prompts and prefix tuning become pinned prefix KV, a LoRA given
+to --lora-merge is merged into the weights (LoRA served unmerged: snapshot/lora.py), and example queries become
+the "auto" selector's centroids.
 
 ``PeftModel.save_pretrained`` already runs a prompt encoder (P-tuning's MLP or LSTM, prefix tuning's
 projection) and saves its output as ``prompt_embeddings``: virtual-token embeddings [n, hidden] for
@@ -93,10 +94,11 @@ def read_prompt_adapter(spec: AdapterSpec, config: ModelConfig) -> PromptAdapter
     peft_config = read_adapter_config(spec.path, what)
     kind = peft_config["peft_type"]
     if kind == "LORA":
-        raise BuildError(f"{what}: {spec.path} is a LoRA adapter; merge it into the weights with --lora")
+        raise BuildError(f"{what}: {spec.path} is a LoRA adapter; merge it into the weights with --lora-merge DIR, "
+                         "or serve it unmerged with --lora NAME=DIR")
     if kind not in PROMPT_TYPES:
         raise BuildError(f"{what}: adapter type {kind!r} is not supported; --adapter takes "
-                         f"{', '.join(PROMPT_TYPES)} (and --lora takes LORA)")
+                         f"{', '.join(PROMPT_TYPES)} (and --lora / --lora-merge take LORA)")
     if peft_config.get("num_transformer_submodules", 1) != 1:
         raise BuildError(f"{what}: an adapter for an encoder-decoder model; warmstart serves decoder-only models")
     embeddings = read_adapter_tensors(spec.path, what).get("prompt_embeddings")
@@ -139,10 +141,10 @@ _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.+)\.lo
 def merge_lora(raw: dict[str, torch.Tensor], path: Path) -> list[str]:
     """Add a LoRA adapter's scaled B @ A to the HF tensors it targets (names without ``model.``), in float32,
     as PEFT's merge does; returns the merged tensors' names. Anything not a plain LoRA is refused."""
-    what = f"--lora {path}"
+    what = f"--lora-merge {path}"
     config = read_adapter_config(path, what)
     if config["peft_type"] != "LORA":
-        raise BuildError(f"{what}: adapter type {config['peft_type']!r}; --lora takes LORA adapters "
+        raise BuildError(f"{what}: adapter type {config['peft_type']!r}; --lora-merge takes LORA adapters "
                          "(prompt-learning adapters go in with --adapter NAME=DIR)")
     for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("layers_to_transform", None)):
         if config.get(key):

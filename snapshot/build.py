@@ -46,6 +46,7 @@ from snapshot.build_parts import (
 from snapshot.cache import BlobCache
 from snapshot.errors import BuildError
 from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint
+from snapshot.lora import build_loras
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -93,6 +94,7 @@ def build_snapshot(
         except ValueError as e:
             raise BuildError(f"--quant {options.quant}: {e}") from None
     blobs = BlobWriter(cache)
+    loras = build_loras(options.loras, config, dtype, blobs, log)
     if world == 1:
         tensors = pack_weights(weights, blobs)
         rank_tensors, rank_quantized = [tensors], [weights.quant_meta()]
@@ -150,6 +152,8 @@ def build_snapshot(
                         "block_size": options.block_size, "lora": options.lora is not None},
         },
     }
+    if loras:  # LoRA adapters served unmerged (snapshot/lora.py); absent otherwise, so older ids stay the same
+        data["loras"] = loras
     if generation_config is not None:  # the model's extra EOS ids and recommended sampling (serve applies them)
         data["generation_config"] = generation_config
     if draft is not None:
@@ -242,6 +246,8 @@ def _source_hashes(model_dir: Path, options: BuildOptions) -> dict[str, str]:
         out[f"{'prefix' if p.kind == 'text' else 'system'}:{p.name}"] = file_blob_id(p.path)
     for a in options.adapters:
         out[f"adapter:{a.name}"] = file_blob_id(a.path / "adapter_model.safetensors")
+    for a in options.loras:
+        out[f"lora:{a.name}"] = file_blob_id(a.path / "adapter_model.safetensors")
     for e in options.adapter_examples:
         out[f"adapter-examples:{e.name}"] = file_blob_id(e.path)
     if options.lora is not None:

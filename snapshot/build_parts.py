@@ -49,7 +49,8 @@ class BuildOptions:
     prefixes: list[PrefixSpec] = field(default_factory=list)
     adapters: list[AdapterSpec] = field(default_factory=list)  # PEFT prompt-learning adapters
     adapter_examples: list[AdapterSpec] = field(default_factory=list)  # example queries per adapter, for "auto"
-    lora: Path | None = None  # a LoRA adapter merged into the weights
+    lora: Path | None = None  # a LoRA adapter merged into the weights (--lora-merge)
+    loras: list[AdapterSpec] = field(default_factory=list)  # LoRA adapters served unmerged, each its own blob
     draft: Path | None = None  # a draft model's HF directory, for speculative decoding (snapshot.draft)
     draft_quant: str = "none"
     draft_group_size: int | None = None
@@ -66,6 +67,9 @@ class BuildOptions:
             raise BuildError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel < 1:
             raise BuildError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.loras:
+            raise BuildError("--lora NAME=DIR does not combine with --tensor-parallel yet; merge the adapter with "
+                             "--lora-merge DIR, or build without --tensor-parallel")
         if self.tensor_parallel > 1 and self.draft is not None:
             raise BuildError("--draft does not combine with --tensor-parallel yet; build without one of them")
         try:
@@ -81,6 +85,14 @@ class BuildOptions:
             dupes = sorted({n for n in given if given.count(n) > 1})
             if dupes:
                 raise BuildError(f"{flag}: name(s) given twice: {', '.join(dupes)}")
+        loras = [a.name for a in self.loras]
+        dupes = sorted({n for n in loras if loras.count(n) > 1})
+        if dupes:
+            raise BuildError(f"--lora: name(s) given twice: {', '.join(dupes)}")
+        both = sorted(set(loras) & set(adapters))
+        if both:
+            raise BuildError(f"{', '.join(both)}: named by both --lora and --adapter; requests pick an adapter by "
+                             "name, so give each its own")
         unknown = sorted({e.name for e in self.adapter_examples} - set(adapters))
         if unknown:
             raise BuildError(f"--adapter-examples for {', '.join(unknown)}, which no --adapter names")

@@ -135,3 +135,33 @@ def write_packed(path: Path, parts: list[Any]) -> list[tuple[int, int]]:
             spans.append((start, n))
             offset = start + n
     return spans
+
+
+# LoRA adapters pushed on their own against a snapshot (`warmstart lora push`, snapshot/lora.py): a small msgpack
+# document stored as a blob, which a store's loras/<snapshot id>.<name> pointer names.
+LORA_FORMAT = "warmstart-lora"
+
+
+def encode_lora_document(snapshot_id: str, entry: dict[str, Any], blobs: dict[str, int]) -> bytes:
+    """``entry``: the adapter as a manifest's "loras" list holds it; ``blobs``: its blobs and their sizes."""
+    data = {"format": LORA_FORMAT, "format_version": FORMAT_VERSION, "snapshot": snapshot_id, "lora": entry,
+            "blobs": dict(sorted(blobs.items()))}
+    return bytes(msgpack.packb(data, use_bin_type=True))
+
+
+def decode_lora_document(raw: bytes, where: str) -> dict[str, Any]:
+    """A LoRA document's map; FormatError naming ``where`` when it is not one this version reads."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise FormatError(f"{where} is not a valid msgpack document ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != LORA_FORMAT:
+        raise FormatError(f"{where} is not a warmstart LoRA adapter document")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{where} has format version {data.get('format_version')}; this warmstart reads version "
+                          f"{FORMAT_VERSION} (push the adapter again with this version)")
+    blobs = data.get("blobs")
+    if not isinstance(blobs, dict) or not isinstance(data.get("lora"), dict) or not all(
+            is_id(b) and isinstance(n, int) and n >= 0 for b, n in blobs.items()):
+        raise FormatError(f"{where} has no valid adapter or blob list; push the adapter again")
+    return data

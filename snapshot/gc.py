@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshot.errors import StoreError
-from snapshot.format import FormatError, Manifest
+from snapshot.errors import NotFound, StoreError
+from snapshot.format import FormatError, Manifest, blob_id, decode_lora_document
 from snapshot.store import Store
 from snapshot.temporaries import Removed, remove_cache_temporaries, remove_store_temporaries
 
@@ -43,6 +43,7 @@ def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600, cach
         except (FormatError, KeyError, TypeError) as e:
             raise StoreError(f"gc stopped, deleting nothing: the manifest of snapshot {snapshot_id} in {store.uri} "
                              f"cannot be read ({e}), so the blobs it needs are unknown") from None
+    referenced |= _lora_blobs(store)
     now = time.time()
     deleted = freed = in_grace = 0
     for blob, size, modified in blobs:
@@ -58,6 +59,27 @@ def gc(store: Store, *, dry_run: bool = False, grace_seconds: float = 3600, cach
         freed += size
     temporaries = _remove_temporaries(store, cache_root, now - grace_seconds, dry_run)
     return GcReport(deleted, freed, len(blobs) - deleted, in_grace, temporaries.count, temporaries.bytes)
+
+
+def _lora_blobs(store: Store) -> set[str]:
+    """The blobs of the LoRA adapters pushed against snapshots (`warmstart lora push`): their documents and what
+    those list. A pointer whose document is gone keeps nothing; one whose document cannot be read stops gc."""
+    out: set[str] = set()
+    for (snapshot_id, name), document in store.list_loras().items():
+        out.add(document)
+        try:
+            raw = store.read_range(document, 0, store.blob_size(document))
+        except NotFound:
+            continue
+        where = f"the document of LoRA adapter {name!r} of snapshot {snapshot_id} in {store.uri}"
+        try:
+            if blob_id(raw) != document:
+                raise FormatError("its bytes do not match its id")
+            out |= set(decode_lora_document(raw, where)["blobs"])
+        except FormatError as e:
+            raise StoreError(f"gc stopped, deleting nothing: {where} cannot be read ({e}), so the blobs it needs are "
+                             "unknown; push the adapter again") from None
+    return out
 
 
 def _remove_temporaries(store: Store, cache_root: Path | None, cutoff: float, dry_run: bool) -> Removed:

@@ -34,6 +34,7 @@ from runtime.tokenizer import Tokenizer
 from snapshot.cache import BlobCache
 from snapshot.device_copy import BlobCopier
 from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
+from snapshot.lora import lora_loader
 from snapshot.refs import resolve_ref
 from snapshot.store import Store
 from snapshot.stores import open_store
@@ -225,6 +226,8 @@ def engine_from_manifest(
                                     "cached_tokens": len(p["block_hashes"]) * options.block_size})
     for a in m.get("adapters", []):
         engine.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
+    for lora in m.get("loras", []):  # paged in by the engine when a request first needs one (snapshot/lora.py)
+        engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]]), int(lora["rank"]))
     selector = m.get("adapter_selector")
     if selector is not None:
         centroids = tensor_view(mapped[selector["blob"]], selector)

@@ -49,7 +49,7 @@ def remove_store_temporaries(store: Store, cutoff: float, *, dry_run: bool = Fal
     removed = Removed()
     if isinstance(store, LocalStore):
         with os_errors(f"removing stale temporary files from the store {store.uri}"):
-            for folder in ("blobs", "snapshots", "refs"):
+            for folder in ("blobs", "snapshots", "refs", "loras"):
                 _remove_atomic_temporaries(store.root / folder, cutoff, dry_run, removed)
     return removed
 

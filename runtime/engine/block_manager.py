@@ -62,10 +62,10 @@ class BlockManager:
         """Blocks a request can ever hold (with every other request gone): the pool less the pinned ones."""
         return self.num_blocks - len(self.pinned)
 
-    def pinned_prefix_blocks(self, token_ids: Seq[int]) -> int:
+    def pinned_prefix_blocks(self, token_ids: Seq[int], root: int = NO_PARENT) -> int:
         """How many leading blocks of ``token_ids`` a request is always served from pinned blocks (which are
         never evicted, so the hit is certain at every admission): blocks it never needs from the free pool."""
-        blocks, _ = self.find_cached_prefix(token_ids)
+        blocks, _ = self.find_cached_prefix(token_ids, root)
         return next((i for i, block in enumerate(blocks) if block not in self.pinned), len(blocks))
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -74,16 +74,17 @@ class BlockManager:
 
     # -- prefix cache ---------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
-        """Blocks holding the longest cached prefix of ``token_ids`` and their hashes.
+    def find_cached_prefix(self, token_ids: Seq[int], root: int = NO_PARENT) -> tuple[list[int], list[int]]:
+        """Blocks holding the longest cached prefix of ``token_ids`` and their hashes, the chain starting from
+        ``root`` (a LoRA adapter's, whose KV is its own: Sequence.hash_root).
 
         The last token is never served from the cache: its logits are needed to sample. With prefix caching
         off, only blocks registered from outside (pinned snapshot prefixes and adapters) are ever found.
         """
         max_blocks = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
-        hashes = block_hashes(token_ids[: max_blocks * self.block_size], self.block_size)
-        parent = NO_PARENT
+        hashes = block_hashes(token_ids[: max_blocks * self.block_size], self.block_size, root)
+        parent = root
         for i, h in enumerate(hashes):
             block = self.cached.get(h)
             start = i * self.block_size
@@ -105,7 +106,7 @@ class BlockManager:
         or 0, changing nothing, when the pool cannot take even one.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        hit_blocks, hit_hashes = self.find_cached_prefix(seq.token_ids)
+        hit_blocks, hit_hashes = self.find_cached_prefix(seq.token_ids, seq.hash_root)
         if seq.params.prompt_logprobs is not None:  # a cached position has no logits: only adapters' blocks
             keep = seq.num_virtual_tokens // self.block_size
             hit_blocks, hit_hashes = hit_blocks[:keep], hit_hashes[:keep]
@@ -144,7 +145,7 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
         num_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else NO_PARENT
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hash_block(parent, tokens)

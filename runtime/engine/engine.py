@@ -18,6 +18,7 @@ from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from runtime.engine.device import cuda_memory, resolve_device
 from runtime.engine.kv_tier import KVTier
+from runtime.engine.lora import LoraManager, LoraStats, LoraWeights
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, Status, Timestamps, TokenLogprobs
@@ -59,6 +60,10 @@ class EngineOptions:
     # Per sequence, k follows its acceptance (speculative.adapt_k); measured faster at partial acceptance and
     # the same at full acceptance (benchmarks/speculative.py --adaptive, docs/BENCHMARKS.md).
     adaptive_speculation: bool = True
+    # LoRA adapters served unmerged (runtime/engine/lora.py): how many are resident on the device at once (their
+    # slots are allocated with the first adapter added), and the largest rank served.
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def context_length(self, config: ModelConfig) -> int:
         """The longest sequence the engine serves: max_model_len, capped by the model's positions."""
@@ -67,7 +72,7 @@ class EngineOptions:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative not in SPECULATIVE_METHODS:
@@ -121,6 +126,7 @@ class LLMEngine:
             options.max_num_batched_tokens,
             c.uniform_window,
             self._lookahead if self.proposer is not None else None,
+            self._admit,
         )
         self.spec = SpecStats()
         self.requests: dict[str, tuple[Sequence, Detokenizer | None]] = {}
@@ -132,6 +138,8 @@ class LLMEngine:
         self.prepack_thread: threading.Thread | None = None
         self.adapters: dict[str, VirtualPrefix] = {}
         self.adapter_selector: AdapterSelector | None = None
+        self.loras = LoraManager(c, options.max_loras, options.max_lora_rank, model.dtype, self.runner.device)
+        self.runner.loras = self.loras
         self.tier_link: TierLink | None = None
 
     @classmethod
@@ -223,7 +231,8 @@ class LLMEngine:
                              stop_token_ids=seq.stop_token_ids, min_tokens_banned=seq.min_tokens_banned,
                              timestamps=Timestamps(seq.timestamps.arrival), adapter=seq.adapter,
                              num_virtual_tokens=seq.num_virtual_tokens, virtual_tail_block=seq.virtual_tail_block,
-                             index=k, choice_of=seq.request_id, forked_from=seq)
+                             lora=seq.lora, hash_root=seq.hash_root, index=k, choice_of=seq.request_id,
+                             forked_from=seq)
             if p.seed is not None:
                 child.generator = torch.Generator().manual_seed((p.seed + k) % 2**64)
             if seq.grammar is not None:  # structured outputs: each choice advances its own matcher
@@ -248,13 +257,16 @@ class LLMEngine:
         prefix = self.resolve_adapter(adapter, token_ids)
         if prefix is not None:
             token_ids = prefix.token_ids + token_ids
+        lora = adapter if adapter in self.loras else None
+        hash_root = self.loras.hash_root(lora) if lora is not None else NO_PARENT
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
                 "(shorten the prompt or raise max_model_len)"
             )
-        self._check_fits_pool(token_ids, params.max_tokens)
-        seq = Sequence(request_id, list(token_ids), len(token_ids), params)
+        self._check_fits_pool(token_ids, params.max_tokens, hash_root)
+        seq = Sequence(request_id, list(token_ids), len(token_ids), params, lora=lora, adapter=lora,
+                       hash_root=hash_root)
         seq.stop_token_ids = frozenset(params.stop_token_ids)
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_compiler().matcher(params.structured_outputs)
@@ -291,20 +303,21 @@ class LLMEngine:
         Safe to call from another thread than the step loop's: what it reads of the pool, the pinned blocks,
         never changes once they are loaded."""
         prefix = self.resolve_adapter(adapter, token_ids)
-        return self._kv_room(token_ids if prefix is None else prefix.token_ids + token_ids)
+        root = self.loras.hash_root(adapter) if adapter is not None and adapter in self.loras else NO_PARENT
+        return self._kv_room(token_ids if prefix is None else prefix.token_ids + token_ids, root)
 
-    def _kv_room(self, token_ids: list[int]) -> int:
+    def _kv_room(self, token_ids: list[int], root: int = NO_PARENT) -> int:
         bs, usable = self.blocks.block_size, self.blocks.num_usable_blocks
         window = self.config.uniform_window
         if window and -(-(window + 1) // bs) + 1 <= usable:
             return self.max_model_len  # a sequence never holds more than the window's blocks plus the one written
         # The blocks of a pinned prefix the prompt starts with are shared: never taken from the free pool.
-        return (usable + self.blocks.pinned_prefix_blocks(token_ids)) * bs - len(token_ids)
+        return (usable + self.blocks.pinned_prefix_blocks(token_ids, root)) * bs - len(token_ids)
 
-    def _check_fits_pool(self, token_ids: list[int], max_tokens: int) -> None:
+    def _check_fits_pool(self, token_ids: list[int], max_tokens: int, root: int = NO_PARENT) -> None:
         """Refuse a request that could never be scheduled: one needing more blocks than can ever be free for
         it, even with every other request gone. Accepted, it would wait forever and hold up the queue."""
-        room = self._kv_room(token_ids)
+        room = self._kv_room(token_ids, root)
         if min(len(token_ids) + max_tokens, self.max_model_len) - len(token_ids) <= room:
             return
         usable, num_blocks = self.blocks.num_usable_blocks, self.blocks.num_blocks
@@ -318,15 +331,50 @@ class LLMEngine:
         )
 
     def resolve_adapter(self, name: str | None, token_ids: list[int]) -> VirtualPrefix | None:
-        """The adapter a request names ("auto": the selector's choice for its tokens), or None for none."""
-        if name is None:
+        """The compiled adapter a request names ("auto": the selector's choice for its tokens), or None for none
+        or a LoRA adapter (see add_lora)."""
+        if name is None or name in self.loras:
             return None
         if name == "auto":
             name = self.select_adapter(token_ids)
         if name not in self.adapters:
-            known = ", ".join(sorted(self.adapters)) or "none"
+            known = ", ".join(sorted([*self.adapters, *self.loras.names()])) or "none"
             raise ValueError(f"unknown adapter {str(name)[:100]!r}; this engine's adapters: {known}")
         return self.adapters[name]
+
+    # -- LoRA adapters (runtime/engine/lora.py) --------------------------------------------------------
+
+    def add_lora(self, name: str, load: Callable[[], LoraWeights], rank: int) -> None:
+        """Register a LoRA adapter that requests then name as ``adapter``; ``load()`` is called when a request
+        first needs it and whenever it is paged back in (``max_loras`` resident, least recently used out)."""
+        if name in self.adapters or name == "auto":
+            raise ValueError(f"adapter name {name!r} is already taken")
+        if self.runner.model.sharded:
+            raise ValueError("LoRA adapters are not served with tensor parallelism yet; serve on one device")
+        self.loras.add(name, load, rank)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget a LoRA adapter; refused while a request uses it (abort those first, or wait for them)."""
+        if name not in self.loras:
+            raise ValueError(f"no LoRA adapter {str(name)[:100]!r}; loaded: {', '.join(self.loras.names()) or 'none'}")
+        users = [rid for rid, (seq, _) in self.requests.items() if seq.lora == name]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); wait for them to finish")
+        self.loras.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.loras.names()
+
+    def lora_stats(self) -> LoraStats:
+        return self.loras.stats
+
+    def _admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether a waiting sequence may start: its KV tier lookup is over, and its LoRA adapter has a slot."""
+        if self.tier_link is not None and not self.tier_link.ready(seq):
+            return False
+        if seq.lora is None:
+            return True
+        return self.loras.acquire(seq.lora, {s.lora for s in running if s.lora is not None})
 
     def set_adapter_selector(self, selector: AdapterSelector) -> None:
         """Let requests name adapter "auto": the selector picks one of the loaded adapters for their tokens."""
@@ -393,7 +441,6 @@ class LLMEngine:
         if self.runner.model.sharded:
             raise ValueError("the KV tier does not support tensor parallelism yet (each rank holds part of the KV)")
         self.tier_link = TierLink(tier, self.blocks, self.runner, lookup_timeout_s)
-        self.scheduler.ready = self.tier_link.ready
 
     # -- precomputed prefixes (snapshots) -----------------------------------------------------------------
 

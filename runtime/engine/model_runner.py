@@ -17,6 +17,7 @@ from runtime.engine.cuda_graphs import (
     GraphBackend,
     batch_sizes_for,
 )
+from runtime.engine.lora import LoraManager
 from runtime.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logits
 from runtime.engine.rejection_sampler import verify
 from runtime.engine.sampler import Sampler
@@ -24,6 +25,7 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence, TokenLogprobs
 from runtime.engine.structured import apply_grammar_masks
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
+from runtime.layers.lora import LoraStep
 from runtime.models.model import Model
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work, where decode attention pads
@@ -46,6 +48,7 @@ class Chunk:
     # a speculative verification then rounds exactly as the one-token steps it stands for, and joins the
     # batched decode groups instead of costing a group of its own.
     as_decode_rows: bool = False
+    lora_slot: int = -1  # the device slot of the sequence's LoRA adapter, -1 for none
 
 
 @dataclass
@@ -58,6 +61,7 @@ class StepInputs:
     logits_index: torch.Tensor
     highest_block: int  # the highest pool block the step touches (zeroed first if never used)
     block_copies: list[tuple[int, int]]  # (source, destination) blocks copied before the step
+    lora: LoraStep | None = None  # the rows' LoRA adapters
 
 
 class ModelRunner:
@@ -82,6 +86,7 @@ class ModelRunner:
         # Called with each step's inputs before it runs (rank 0 of a tensor-parallel group sends them on).
         self.before_step = before_step
         self.graphs: DecodeGraphs | None = None
+        self.loras: LoraManager | None = None  # set by the engine: the LoRA adapters' device slots
         # What this runner paid before it could serve, for the cold-start timeline: (phase, time.monotonic()
         # when it ended, details).
         self.startup: list[tuple[str, float, dict[str, Any]]] = []
@@ -150,7 +155,9 @@ class ModelRunner:
             ids += seq.spec_token_ids[: n - len(ids)]
             every = seq.spec_token_ids or wants_prompt_logits(seq, start)
             num_logits = n if every else int(start + n == seq.num_tokens)
-            chunks.append(Chunk(seq.block_table, ids, start, num_logits, as_decode_rows=bool(seq.spec_token_ids)))
+            slot = self.loras.slot(seq.lora) if seq.lora is not None and self.loras is not None else -1
+            chunks.append(Chunk(seq.block_table, ids, start, num_logits, as_decode_rows=bool(seq.spec_token_ids),
+                                lora_slot=slot))
         logits = self.forward(chunks, batch.block_copies).cpu()  # the sampler works on the host
         plain: list[Sequence] = []
         plain_rows: list[int] = []
@@ -203,10 +210,12 @@ class ModelRunner:
         decode_chunks: list[Chunk] = []
         groups: list[AttentionGroup] = []
         logits_rows: list[int] = []
+        row_slots: list[int] = []
         row = 0
         for chunk in chunks:
             start, n, table = chunk.start, len(chunk.token_ids), chunk.block_table
             input_ids.extend(chunk.token_ids)
+            row_slots.extend([chunk.lora_slot] * n)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
@@ -229,7 +238,9 @@ class ModelRunner:
             groups.append(self._group(torch.tensor([decode_rows[i] for i in members]), members_chunks, q_pos, True))
 
         highest_block = max(max(c.block_table) for c in chunks)
-        if self.graphs is not None and inputs_embeds is None and len(decode_chunks) == len(chunks) == len(input_ids):
+        lora = self.loras.step(row_slots) if self.loras is not None and max(row_slots) >= 0 else None
+        if (self.graphs is not None and inputs_embeds is None and lora is None
+                and len(decode_chunks) == len(chunks) == len(input_ids)):
             self._prepare(highest_block, copies)
             copies = []
             tables = [[max(b, 0) for b in c.block_table] for c in chunks]
@@ -244,6 +255,7 @@ class ModelRunner:
             logits_index=torch.tensor(logits_rows, dtype=torch.long, device=device),
             highest_block=highest_block,
             block_copies=list(copies),
+            lora=lora,
         )
         return self.execute(step, inputs_embeds)
 
@@ -254,7 +266,7 @@ class ModelRunner:
             self.before_step(step)
         self._prepare(step.highest_block, step.block_copies)
         return self.model.forward(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_index,
-                                  inputs_embeds=inputs_embeds)
+                                  inputs_embeds=inputs_embeds, lora=step.lora)
 
     def _prepare(self, highest_block: int, copies: list[tuple[int, int]]) -> None:
         self._zero_new_blocks(highest_block)

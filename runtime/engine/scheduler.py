@@ -36,7 +36,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         sliding_window: int | None = None,
         lookahead: Callable[[Sequence], int] | None = None,
-        ready: Callable[[Sequence], bool] | None = None,
+        admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -45,9 +45,9 @@ class Scheduler:
         # Speculative tokens a decoding sequence may verify this step, on top of its one (see speculative).
         # They count against the token budget, and only ever take blocks that are free: never a preemption.
         self.lookahead = lookahead
-        # Whether a waiting sequence may be admitted yet (one loading its KV from the tier may not); those behind
-        # it go first meanwhile.
-        self.ready = ready
+        # Whether a waiting sequence may start now, given the running ones (a LoRA adapter must get a device
+        # slot: runtime/engine/lora.py). One that may not stays in its place; those behind it go on.
+        self.admit = admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -84,16 +84,16 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        held = 0  # waiting sequences at the head that are not ready
-        while len(self.waiting) > held and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[held]
-            if self.ready is not None and not self.ready(seq):
-                held += 1
+        held: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if self.admit is not None and not self.admit(seq, self.running):
+                held.append(self.waiting.popleft())
                 continue
             n = self.blocks.start(seq, budget)
             if n == 0:
                 break
-            del self.waiting[held]
+            self.waiting.popleft()
             seq.status = Status.RUNNING
             if seq.timestamps.scheduled is None:
                 seq.timestamps.scheduled = time.monotonic()
@@ -101,6 +101,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(held))
         batch.block_copies, self.blocks.pending_copies = self.blocks.pending_copies, []
         return batch
 

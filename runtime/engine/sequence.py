@@ -66,6 +66,10 @@ class Sequence:
     adapter: str | None = None
     num_virtual_tokens: int = 0
     virtual_tail_block: int | None = None
+    # A LoRA adapter's name (runtime/engine/lora.py; ``adapter`` names it too), and the root its KV blocks' chained
+    # hashes start from in the prefix cache: 0 (the block manager's NO_PARENT) for the base model.
+    lora: str | None = None
+    hash_root: int = 0
     # Speculative decoding: proposed tokens to verify this step (not yet in token_ids), the draft model's
     # distributions they were drawn from ([k, vocab]; None for prompt lookup, a point mass), and how many
     # positions of the draft model's KV are valid in this sequence's blocks.

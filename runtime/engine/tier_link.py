@@ -10,6 +10,10 @@ A lookup that fails, times out or finds nothing costs a recompute, never a reque
 After each step, a sequence whose computed blocks completed a segment has that segment copied out of the pool
 (one gather, off the pool's memory so later steps cannot change it) and queued for the tier's writer. Segments
 known to be in the tier (loaded, or written by this process) are not written again.
+
+Requests through a LoRA adapter are left out for now: their blocks chain from a root drawn when the adapter is
+registered (runtime/engine/lora.py), so another process could never find them, and an adapter's name alone would
+not say which weights computed them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from runtime.engine.block_manager import BlockManager, block_hashes
 from runtime.engine.kv_tier import KVTier, Lookup
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sequence import Sequence, Status
@@ -45,11 +49,11 @@ class TierLink:
 
     def on_add(self, seq: Sequence) -> None:
         """Start the lookup of a new sequence's stored segments."""
-        if seq.params.prompt_logprobs is not None:  # a cached position has no logits
+        if seq.params.prompt_logprobs is not None or seq.lora is not None:  # no logits for cached positions; below
             return
         bs, segment = self.blocks.block_size, self.tier.segment_blocks
-        hashes = block_hashes(seq.token_ids[: (seq.num_tokens - 1) // bs * bs], bs)
-        cached, _ = self.blocks.find_cached_prefix(seq.token_ids)
+        hashes = block_hashes(seq.token_ids[: (seq.num_tokens - 1) // bs * bs], bs, seq.hash_root)
+        cached, _ = self.blocks.find_cached_prefix(seq.token_ids, seq.hash_root)
         lookup = self.tier.lookup(hashes, len(cached) // segment, seq.adapter)
         if lookup is not None:
             self.waiting[seq.request_id] = _Waiting(seq, hashes, lookup)
@@ -84,12 +88,12 @@ class TierLink:
             return
         for i in range(len(segments)):
             self._remember(w.seq.adapter, w.hashes[first + (i + 1) * per - 1])
-        cached, _ = self.blocks.find_cached_prefix(w.seq.token_ids)
+        cached, _ = self.blocks.find_cached_prefix(w.seq.token_ids, w.seq.hash_root)
         start = max(len(cached), first)  # blocks the pool still lacks
         end = first + loaded
         if start >= end:
             return
-        parent = w.hashes[start - 1] if start else NO_PARENT
+        parent = w.hashes[start - 1] if start else w.seq.hash_root
         tokens = [tuple(w.seq.token_ids[b * bs : (b + 1) * bs]) for b in range(start, end)]
         blocks = self.blocks.adopt_cached(w.hashes[start:end], tokens, parent)
         if not blocks:
@@ -102,6 +106,8 @@ class TierLink:
         """Queue the segments the step completed; forget finished sequences."""
         per = self.tier.segment_blocks
         for seq in seqs:
+            if seq.lora is not None:
+                continue
             done = self.saved.get(seq.request_id, (seq, 0))[1]
             whole = len(seq.block_hashes) // per
             for segment in range(done, whole):

@@ -12,12 +12,14 @@ import torch
 
 from runtime.kernels.activation import silu_and_mul
 from runtime.kernels.kv_cache import write_kv
+from runtime.kernels.lora import add_lora
 from runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.quant_matmul import quantized_linear
 from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from runtime.kernels.rotary import rotary_
 from runtime.layers.attention import AttentionMetadata
 from runtime.layers.linear import LinearWeight, linear
+from runtime.layers.lora import LoraStep
 from runtime.layers.rotary import RotaryTables
 from runtime.quant.formats import Int4Weight, Int8Weight
 
@@ -77,3 +79,7 @@ class TritonOps:
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], w.shape[0])
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, module: str) -> torch.Tensor:
+        """Each row's LoRA adapter added to a fused linear's output (runtime/kernels/lora.py; Model picks this up)."""
+        return add_lora(y, x, step, layer, module)

@@ -7,7 +7,9 @@ padded to another's length.
 
 Decode groups on the CPU go to a C kernel (runtime/kernels/cpu_attention.c) that reads each sequence's KV blocks in
 place, for exactly its own length; the gather-and-matmul path below remains for other devices and dtypes,
-for installs built without a C compiler, and under ``WARMSTART_CPU_ATTENTION=torch``.
+for installs built without a C compiler, and under ``WARMSTART_CPU_ATTENTION=torch``. Prefill chunks go to the
+same file's causal prefill kernel, all of a step's chunks in one call, also over the pool in place (no gather of a
+cached prefix); ``WARMSTART_CPU_PREFILL_ATTENTION=torch`` keeps them on SDPA.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 CPU_ATTENTION_ENV = "WARMSTART_CPU_ATTENTION"
 CPU_ATTENTION_CHOICES = ("kernel", "torch")
+CPU_PREFILL_ATTENTION_ENV = "WARMSTART_CPU_PREFILL_ATTENTION"
 
 
 def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_head: int, head_dim: int) -> bool:
@@ -42,6 +45,15 @@ def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_
         and heads_per_kv_head <= _cpu_attention.MAX_GROUP
         and head_dim <= _cpu_attention.MAX_HEAD_DIM
     )
+
+
+def prefill_kernel_chosen() -> bool:
+    """Whether prefill chunks go to the C kernel where the decode kernel serves the pool
+    (``WARMSTART_CPU_PREFILL_ATTENTION=torch`` keeps them on SDPA)."""
+    choice = os.environ.get(CPU_PREFILL_ATTENTION_ENV) or "kernel"
+    if choice not in CPU_ATTENTION_CHOICES:
+        raise ValueError(f"{CPU_PREFILL_ATTENTION_ENV}={choice!r} is not one of {', '.join(CPU_ATTENTION_CHOICES)}")
+    return choice == "kernel"
 
 
 @dataclass
@@ -100,10 +112,53 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] slot of each new token in the pool (block * block_size + offset)
     groups: list[AttentionGroup]
+    # the prefill kernel's (groups, tables, sequences), built at the first layer and reused by the others
+    _prefill_args: tuple[list[AttentionGroup], torch.Tensor, torch.Tensor] | None = None
+
+    def prefill_args(self) -> tuple[list[AttentionGroup], torch.Tensor, torch.Tensor]:
+        """The prefill chunks (groups of consecutive rows), their block tables padded to one width [S, width],
+        and per chunk [first row, queries, first query's position, position of its table's first key]."""
+        if self._prefill_args is None:
+            groups = [g for g in self.groups if not g.is_decode and isinstance(g.rows, slice)]
+            width = max((g.block_tables.shape[1] for g in groups), default=1)
+            tables = torch.zeros(len(groups), width, dtype=torch.int64)
+            seqs = []
+            for i, g in enumerate(groups):
+                assert isinstance(g.rows, slice)
+                tables[i, : g.block_tables.shape[1]] = g.block_tables[0]
+                first, count = g.rows.start or 0, g.query_positions.shape[0]
+                seqs.append([first, count, int(g.query_positions[0]), g.first_key_position])
+            self._prefill_args = (groups, tables, torch.tensor(seqs, dtype=torch.int64).view(-1, 4))
+        return self._prefill_args
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [N, kv_heads, head_dim]."""
+    """cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [N, kv_heads, head_dim].
+
+    A CPU pool in float32 or bfloat16 is written by the C kernel (row copies, k and v read in place), else by
+    ``write_kv_torch``."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    if (
+        _cpu_attention is not None
+        and cache.device.type == "cpu"
+        and cache.is_contiguous()
+        and cache.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == v.dtype == cache.dtype
+        and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+    ):
+        _cpu_attention.write_kv(
+            cache[0].data_ptr(), cache[1].data_ptr(), k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(),
+            k.shape[0], kv_heads, head_dim, cache.shape[2] * cache.shape[3], k.stride(0), v.stride(0),
+            cache.element_size(),
+        )  # fmt: skip
+        return
+    write_kv_torch(cache, k, v, slot_mapping)
+
+
+def write_kv_torch(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` in PyTorch ops (the reference, and other devices and dtypes)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     cache[0].view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     cache[1].view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
@@ -120,13 +175,22 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D].
 
-    ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``)."""
+    ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``), and prefill chunks on
+    its prefill kernel unless ``WARMSTART_CPU_PREFILL_ATTENTION=torch``."""
     n, heads, head_dim = q.shape
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
     whole = len(meta.groups) == 1  # one group holding every row in order: no gather or scatter of rows
-    out = q.new_empty(n, heads * head_dim) if not whole else None
+    by_kernel: list[AttentionGroup] = []
+    if decode_kernel and prefill_kernel_chosen():
+        by_kernel, tables, seqs = meta.prefill_args()
+    out = q.new_empty(n, heads * head_dim) if not whole or by_kernel else None
+    if by_kernel:
+        assert out is not None
+        _kernel_prefill_attention(out, q, cache, tables, seqs, window)
     for g in meta.groups:
+        if by_kernel and any(g is done for done in by_kernel):
+            continue
         qg = q if whole else q[g.rows]
         if g.is_decode and decode_kernel:
             o = _kernel_decode_attention(qg, cache, g, window)
@@ -202,6 +266,25 @@ def _kernel_decode_attention(
         head_dim**-0.5, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out.view(batch, heads * head_dim)
+
+
+def _kernel_prefill_attention(
+    out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
+    window: int | None,
+) -> None:  # fmt: skip
+    """The chunks ``seqs`` describes (see ``AttentionMetadata.prefill_args``): their rows of q [N, heads, D] attend
+    causally over the pool in place, into the same rows of out [N, heads * D]; runtime/kernels/cpu_attention.c."""
+    assert _cpu_attention is not None and cache.is_contiguous() and out.is_contiguous() and q.dtype == cache.dtype
+    _, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:  # a view of the qkv output keeps its row stride
+        q = q.contiguous()
+    _, kv_heads, num_blocks, block_size, _ = cache.shape
+    _cpu_attention.prefill(
+        out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), tables.data_ptr(), seqs.data_ptr(),
+        seqs.shape[0], heads, kv_heads, head_dim, block_size, tables.shape[1], num_blocks * block_size * head_dim,
+        q.stride(0), out.stride(0), window or 0, head_dim**-0.5, int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def _gather_blocks(pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

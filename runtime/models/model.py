@@ -12,7 +12,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from runtime.layers import lora as torch_lora
 from runtime.layers.attention import AttentionMetadata
+from runtime.layers.lora import LoraStep
 from runtime.layers.ops import select_ops
 from runtime.layers.rotary import RotaryTables
 from runtime.models.config import ModelConfig, rope_inv_freq
@@ -39,6 +41,8 @@ class Model:
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
         self.sharded = reduce is not None or gather_logits is not None  # one rank's part of the model
+        # The LoRA add is an op of its own: layers/ops.py's Ops has none, so the kernels' TritonOps may offer one.
+        self.add_lora: Callable[..., torch.Tensor] = getattr(self.ops, "add_lora", torch_lora.add_lora)
 
     def forward(
         self,
@@ -48,14 +52,16 @@ class Model:
         meta: AttentionMetadata,
         logits_index: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``.
 
-        ``inputs_embeds`` replaces the embedding lookup of ``input_ids`` (soft prompts, at build time)."""
+        ``inputs_embeds`` replaces the embedding lookup of ``input_ids`` (soft prompts, at build time); ``lora``
+        adds each row's LoRA adapter after the four fused linears (runtime/layers/lora.py)."""
         # Triton launches a kernel on the calling thread's current CUDA device, whatever device its tensors are
         # on, and the threads that step the engine never chose one (so cuda:0): make the model's current here.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
-            return self._forward(input_ids, positions, kv_caches, meta, logits_index, inputs_embeds)
+            return self._forward(input_ids, positions, kv_caches, meta, logits_index, inputs_embeds, lora)
 
     def _forward(
         self,
@@ -65,15 +71,21 @@ class Model:
         meta: AttentionMetadata,
         logits_index: torch.Tensor,
         inputs_embeds: torch.Tensor | None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         c, w, ops = self.config, self.weights, self.ops
+
+        def linear(x: torch.Tensor, i: int, module: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+            y = ops.linear(x, getattr(w.layers[i], module), bias)
+            return y if lora is None else self.add_lora(y, x, lora, i, module)
+
         n = input_ids.shape[0]
         eps = c.rms_norm_eps
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
         rotary = ops.rotary_args(self.rotary, positions)
         for i, layer in enumerate(w.layers):
             h = ops.rms_norm(x, layer.input_norm, eps)
-            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, i, "qkv", layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
@@ -84,8 +96,8 @@ class Model:
             q, k = ops.rotary(q, k, rotary)
             ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
-            h, x = ops.add_rms_norm(self.reduce(ops.linear(attn, layer.o_proj)), x, layer.post_norm, eps)
-            x = x + self.reduce(ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up)), layer.down))
+            h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
+            x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
         h = ops.rms_norm(x[logits_index], w.norm, eps)
         return self.gather_logits(ops.linear(h, w.lm_head).float())
 

@@ -125,3 +125,35 @@ def test_the_tier_refuses_an_engine_it_cannot_serve(tiny_model_dir: ModelDir) ->
     scope = TierScope("default", "snap", "", "float32", 16, (2, 2, 16))
     with pytest.raises(ValueError, match="needs prefix caching"):
         e.attach_kv_tier(KVTier(MemoryBackend(), scope))
+
+
+def test_lora_requests_are_left_out_of_the_tier(tiny_model_dir: ModelDir, tmp_path: pathlib.Path) -> None:
+    """A LoRA adapter's blocks chain from a root drawn at its registration, which no other process shares: the
+    tier neither stores nor looks up its requests, and they generate what they would without a tier."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from runtime.engine.lora import lora_from_peft
+    from tests.support.peft_reference import make_adapter
+
+    model_dir = tiny_model_dir("llama")
+    adapter = make_adapter(model_dir, tmp_path / "qv", "LoraConfig", seed=0, r=4, lora_alpha=16,
+                           target_modules=["q_proj", "v_proj"])  # fmt: skip
+    peft_config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    prompt, _ = turns(FAMILIES["llama"]["vocab_size"])
+    outputs = []
+    backend = MemoryBackend()
+    for tier in (None, backend):
+        e = engine(model_dir, tier)
+        config = e.config
+        e.add_lora("qv", lambda: lora_from_peft("qv", peft_config, tensors, config, torch.float32), 4)  # noqa: B023
+        rid = e.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), adapter="qv")
+        done = None
+        while done is None:
+            done = next((o.token_ids for o in e.step() if o.request_id == rid and o.finished), None)
+        outputs.append(done)
+        if e.tier_link is not None:
+            e.tier_link.tier.close()
+    assert outputs[0] == outputs[1] and backend.objects == {}

@@ -1,0 +1,159 @@
+"""LoRA adapters served unmerged through a real `warmstart serve` and the official openai client (issue 17): two
+adapters from the snapshot and the base in one stream of concurrent requests, each equal to the in-process engine's
+output, with fewer device slots than adapters (--max-loras 1: requests wait for theirs); an adapter pushed to the
+store loaded and unloaded without a restart (vLLM's routes and bodies), its errors, the API key, /v1/models and
+the metrics."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from runtime import LLM, SamplingParams
+from snapshot.adapters import AdapterSpec
+from snapshot.cache import BlobCache
+from snapshot.loader import load
+from snapshot.lora import fetch_lora, lora_loader, push_lora
+from snapshot.stores import open_store
+from tests.handlers.test_cli_snapshot import last_json, warmstart
+from tests.support.peft_reference import make_adapter
+from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, error_of
+
+LORAS = {"sql": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+         "chat": {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["o_proj", "gate_proj", "up_proj"]},
+         "math": {"r": 2, "lora_alpha": 4, "target_modules": ["k_proj", "up_proj"]}}
+ENGINE = ("--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "8")
+PROMPTS = [[5, 17, 99, 4, 250, 31], [7, 7, 300, 12], [42, 8, 19, 77, 3, 120, 64], [11, 240, 9]]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[TinySnapshot, Path, dict[str, Path]]:  # type: ignore[no-untyped-def]
+    """The tiny llama with LoRA adapters sql and chat in the snapshot, and math pushed against it on its own."""
+    root = tmp_path_factory.mktemp("lora-serve")
+    model_dir = tiny_model_dir("llama")
+    dirs = {name: make_adapter(model_dir, root / name, "LoraConfig", seed=10 + i, **opts)
+            for i, (name, opts) in enumerate(LORAS.items())}
+    env = {**os.environ, "WARMSTART_STORE": str(root / "store"), "WARMSTART_CACHE": str(root / "cache"),
+           "OMP_NUM_THREADS": "1"}
+    out = last_json(warmstart("build", str(model_dir), "--dtype", "float32", "--tag", "tiny", "--json", "--lora",
+                              f"sql={dirs['sql']}", "--lora", f"chat={dirs['chat']}", env=env))
+    push_lora(open_store(str(root / "store")), BlobCache(root / "push-cache"), AdapterSpec("math", dirs["math"]),
+              out["id"])
+    return TinySnapshot(out["id"], root / "store", root / "cache", {}), model_dir, dirs
+
+
+@pytest.fixture(scope="module")
+def server(built: tuple[TinySnapshot, Path, dict[str, Path]]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(built[0], *ENGINE, "--max-loras", "1", "--max-lora-rank", "8")
+    try:
+        proc.wait_for("ready")
+        yield proc
+    finally:
+        assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def reference(built: tuple[TinySnapshot, Path, dict[str, Path]]) -> LLM:
+    snap = built[0]
+    return load(snap.id, store=str(snap.store), cache=snap.cache, num_kv_blocks=64, max_model_len=256,
+                prepack_weights=False)
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_adapters_and_base_mixed_in_one_concurrent_stream_equal_the_in_process_engine(
+        server: ServerProcess, reference: LLM) -> None:
+    c = client(server)
+    jobs = [(model, prompt) for prompt in PROMPTS for model in ("tiny", "sql", "chat", "tiny:sql")]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # all at once: one stream, one slot for two adapters
+        served = list(pool.map(lambda job: c.completions.create(
+            model=job[0], prompt=job[1], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}), jobs))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    adapters = [None if m == "tiny" else m.removeprefix("tiny:") for m, _ in jobs]
+    want = reference.generate([p for _, p in jobs], params, adapter=adapters)
+    assert [s.choices[0].text for s in served] == [w.text for w in want]
+    texts = {(a, tuple(job[1])): w.text for job, a, w in zip(jobs, adapters, want, strict=True)}
+    for name in ("sql", "chat"):  # the adapters matter
+        assert any(texts[(name, tuple(p))] != texts[(None, tuple(p))] for p in PROMPTS)
+    assert [s.model for s in served] == [m for m, _ in jobs]  # as sent, as vLLM reports it
+    assert [m.id for m in c.models.list()][:3] == ["tiny", "sql", "chat"]
+
+
+def test_load_and_unload_an_adapter_from_the_store_without_a_restart(
+        server: ServerProcess, built: tuple[TinySnapshot, Path, dict[str, Path]], reference: LLM,
+        tmp_path: Path) -> None:
+    snap = built[0]
+    cache = BlobCache(tmp_path / "cache")
+    entry, size = fetch_lora(open_store(str(snap.store)), cache, snap.id, "math")
+    if "math" not in reference.engine.list_loras():
+        reference.engine.add_lora("math", lora_loader(entry, cache, size), entry["rank"])
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want, base = reference.generate([PROMPTS[0]] * 2, params, adapter=["math", None])
+    assert want.text != base.text
+    c = client(server)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "algebra", "lora_path": "math"})
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'algebra' added successfully.")
+        models = {m["id"]: m.get("parent") for m in http.get("/v1/models").json()["data"]}
+        assert models["algebra"] == models["sql"] == "tiny"
+        out = c.completions.create(model="algebra", prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want.text
+        again = http.post("/v1/load_lora_adapter", json={"lora_name": "algebra", "lora_path": "math"})
+        assert again.status_code == 400
+        assert error_of(again)["message"] == "The lora adapter 'algebra' has already been loaded."
+
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "algebra"})
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'algebra' removed successfully.")
+        gone = http.post("/v1/completions", json={"model": "algebra", "prompt": PROMPTS[0], "max_tokens": 1})
+        assert gone.status_code == 404 and "algebra" in error_of(gone)["message"]
+        assert "algebra" not in {m["id"] for m in http.get("/v1/models").json()["data"]}
+
+
+@pytest.mark.parametrize(("route", "body", "status", "words"), [
+    ("load", {"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+    ("load", {"lora_path": "math"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+    ("load", {"lora_name": "x", "lora_path": "nope"}, 404, "No adapter found for lora_path 'nope'"),
+    ("load", {"lora_name": "sql", "lora_path": "math"}, 400, "The lora adapter 'sql' has already been loaded."),
+    ("load", {"lora_name": "a b", "lora_path": "math"}, 400, "cannot name an adapter"),
+    ("load", {"lora_name": 3, "lora_path": "math"}, 400, "'lora_name' must be a string"),
+    ("load", ["lora_name"], 400, "Both 'lora_name' and 'lora_path' must be provided."),
+    ("unload", {"lora_name": "nope"}, 404, "The lora adapter 'nope' cannot be found."),
+    ("unload", {}, 400, "'lora_name' must be provided."),
+])
+def test_load_and_unload_errors_are_vllms(server: ServerProcess, route: str, body: Any, status: int,
+                                          words: str) -> None:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        r = http.post(f"/v1/{route}_lora_adapter", json=body)
+    assert r.status_code == status, r.text
+    assert words in error_of(r)["message"]
+
+
+def test_the_routes_need_the_api_key_and_metrics_count_page_ins(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for route in ("load", "unload"):
+            r = http.post(f"/v1/{route}_lora_adapter", json={"lora_name": "x", "lora_path": "math"})
+            assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+        wrong = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "math"},
+                          headers={"Authorization": "Bearer wrong"})
+        assert wrong.status_code == 401
+        c = client(server)
+        for model in ("sql", "chat", "sql"):  # one slot: every switch pages an adapter in
+            c.completions.create(model=model, prompt=PROMPTS[1], max_tokens=1)
+        text = http.get("/metrics", headers=AUTH).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("warmstart:lora_")}
+    assert values["warmstart:lora_cache_misses_total"] >= 3
+    assert values["warmstart:lora_load_seconds_count"] == values["warmstart:lora_cache_misses_total"]
+    assert values["warmstart:lora_load_seconds_sum"] > 0
+    info = next(line for line in text.splitlines() if line.startswith("warmstart:lora_requests_info{"))
+    assert 'max_lora="1"' in info  # --max-loras 1, no compiled adapters

@@ -1,0 +1,197 @@
+"""Many LoRA adapters served at once over the unmerged base (issue 17): for every family, greedy float32 outputs
+of requests of four adapters (different ranks and targets) mixed with base-only requests in one batch equal
+transformers + PEFT's, under preemption and prefix hits; the prefix cache keeps each adapter's blocks apart;
+adapters beyond ``max_loras`` are paged in least recently used out, and requests wait for theirs."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runtime import SamplingParams
+from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.lora import LoraManager, LoraWeights, lora_from_peft
+from runtime.llm import LLM
+from runtime.models.config import ModelConfig
+from tests.support.model_configs import FAMILIES
+from tests.support.peft_reference import assert_matches_peft, make_adapter
+from tests.support.reference import assert_matches_reference, hf_greedy
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORAS: dict[str, dict[str, Any]] = {
+    "qv4": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "all8": {"r": 8, "lora_alpha": 8, "target_modules": ALL, "rank_pattern": {"down_proj": 2}},
+    "mlp2-rs": {"r": 2, "lora_alpha": 4, "use_rslora": True, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "ko16": {"r": 16, "lora_alpha": 32, "target_modules": ["k_proj", "o_proj"], "layers_to_transform": [0]},
+}
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loras_of(tmp_path_factory, tiny_model_dir):  # type: ignore[no-untyped-def]
+    """`loras_of(family)` -> {name: PEFT adapter dir} for every entry of LORAS."""
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(family: str) -> dict[str, Path]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"loras-{family}")
+            made[family] = {name: make_adapter(tiny_model_dir(family), root / name, "LoraConfig", seed=i, **options)
+                            for i, (name, options) in enumerate(LORAS.items())}
+        return made[family]
+
+    return get
+
+
+def peft_loader(name: str, adapter_dir: Path, config: ModelConfig, calls: list[str] | None = None) -> Any:
+    peft_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+    def load() -> LoraWeights:
+        if calls is not None:
+            calls.append(name)
+        return lora_from_peft(name, peft_config, tensors, config, torch.float32)
+
+    return load
+
+
+def serve(model_dir: Path, loras: dict[str, Path], **options: Any) -> tuple[LLM, list[str]]:
+    """An engine over the float32 model with every adapter of ``loras`` added; returns it and the loads' log."""
+    options = EngineOptions(dtype="float32", prepack_weights=False, **options)
+    engine = LLMEngine.from_hf(model_dir, options, device="cpu")
+    calls: list[str] = []
+    for name, path in loras.items():
+        rank = max([LORAS[name]["r"], *LORAS[name].get("rank_pattern", {}).values()])
+        engine.add_lora(name, peft_loader(name, path, engine.config, calls), rank)
+    return LLM(engine), calls
+
+
+def random_prompts(family: str, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = FAMILIES[family]["vocab_size"]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))] for _ in range(count)]
+
+
+def check(model_dir: Path, loras: dict[str, Path], prompt: list[int], adapter: str | None, ours: list[int]) -> None:
+    if adapter is None:
+        assert_matches_reference(model_dir, prompt, ours, MAX_TOKENS)
+    else:
+        assert_matches_peft(model_dir, loras[adapter], prompt, ours)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_mixed_batch_matches_peft_under_preemption_and_prefix_hits(tiny_model_dir, loras_of, family: str) -> None:
+    model_dir, loras = tiny_model_dir(family), loras_of(family)
+    llm, _ = serve(model_dir, loras, num_kv_blocks=20, max_num_batched_tokens=64)
+    shared = (random_prompts(family, 1, seed=1)[0] * 40)[:40]  # its first 2 blocks get cached under "all8"
+    warm = llm.generate([shared], GREEDY, adapter="all8")[0]
+    prompts = [shared, shared, shared, *random_prompts(family, 9, seed=2)]
+    adapters: list[str | None] = ["all8", "qv4", None, *[[*LORAS, None, None][i % 6] for i in range(9)]]
+    outs = llm.generate(prompts, GREEDY, adapter=adapters)
+    assert llm.engine.scheduler.num_preemptions > 0
+    # the same prompt hits only its own adapter's blocks
+    assert [o.cached_tokens for o in outs[:3]] == [32, 0, 0]
+    assert outs[0].token_ids == warm.token_ids
+    for out, prompt, adapter in zip(outs, prompts, adapters, strict=True):
+        assert out.adapter == adapter
+        check(model_dir, loras, prompt, adapter, out.token_ids)
+    for name in LORAS:  # each adapter changes some output of the base model
+        mine = [(o, p) for o, p, a in zip(outs, prompts, adapters, strict=True) if a == name]
+        assert any(o.token_ids != hf_greedy(model_dir, p, MAX_TOKENS) for o, p in mine), name
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_prefix_cache_keys_include_the_adapter(tiny_model_dir, loras_of) -> None:
+    model_dir, loras = tiny_model_dir("llama"), loras_of("llama")
+    llm, _ = serve(model_dir, loras)
+    prompt = (random_prompts("llama", 1, seed=3)[0] * 48)[:48]
+
+    def cached(adapter: str | None) -> int:
+        return llm.generate([prompt], GREEDY, adapter=adapter)[0].cached_tokens
+
+    assert cached("qv4") == 0
+    assert cached("qv4") == 32
+    assert cached("ko16") == 0 and cached(None) == 0
+    assert cached("ko16") == 32 and cached(None) == 32
+    # an adapter added again under the same name (new weights, maybe) never hits the old one's blocks
+    llm.engine.remove_lora("qv4")
+    llm.engine.add_lora("qv4", peft_loader("qv4", loras["qv4"], llm.engine.config), 4)
+    assert cached("qv4") == 0
+
+
+def test_adapters_beyond_the_slots_are_paged_in(tiny_model_dir, loras_of) -> None:
+    model_dir, loras = tiny_model_dir("qwen3"), loras_of("qwen3")
+    llm, calls = serve(model_dir, loras, max_loras=2, max_num_seqs=4)
+    prompts = random_prompts("qwen3", 10, seed=4)
+    adapters: list[str | None] = [[*LORAS, None][i % 5] for i in range(10)]
+    outs = llm.generate(prompts, GREEDY, adapter=adapters)
+    for out, prompt, adapter in zip(outs, prompts, adapters, strict=True):
+        check(model_dir, loras, prompt, adapter, out.token_ids)
+    stats = llm.engine.lora_stats()
+    assert stats.misses == stats.loads == len(calls) > len(LORAS)  # two slots for four adapters: some came back
+    assert stats.hits + stats.misses >= 8 and stats.load_seconds > 0
+    assert len(llm.engine.loras.resident) == 2
+
+
+def test_requests_wait_for_their_adapter(tiny_model_dir, loras_of) -> None:
+    model_dir, loras = tiny_model_dir("llama"), loras_of("llama")
+    llm, calls = serve(model_dir, loras, max_loras=1)
+    engine = llm.engine
+    prompts = random_prompts("llama", 4, seed=5)
+    adapters: list[str | None] = ["qv4", "all8", None, "qv4"]
+    for prompt, adapter in zip(prompts, adapters, strict=True):
+        engine.add_request(prompt, GREEDY, adapter=adapter)
+    engine.step()
+    assert sorted(s.adapter or "-" for s in engine.scheduler.running) == ["-", "qv4", "qv4"]
+    assert [s.adapter for s in engine.scheduler.waiting] == ["all8"]  # the one slot is in use: it waits
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    assert calls == ["qv4", "all8"]
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
+        check(model_dir, loras, prompt, adapter, outs[f"req-{i}"])
+
+
+def test_least_recently_used_idle_adapter_goes_out(tiny_model_dir) -> None:
+    config = ModelConfig.from_dir(tiny_model_dir("llama"))
+    manager = LoraManager(config, 2, 4, torch.float32, torch.device("cpu"))
+    for name in "abcd":
+        manager.add(name, lambda name=name: LoraWeights(name, 1, [{} for _ in range(config.num_layers)]), 1)
+    assert manager.acquire("a", set()) and manager.acquire("b", set())
+    assert manager.acquire("a", set())  # a hit: "a" is now the most recent
+    assert manager.acquire("c", set()) and sorted(manager.resident) == ["a", "c"]  # "b" went out
+    assert not manager.acquire("d", {"a", "c"})  # both in use: nothing changes
+    assert sorted(manager.resident) == ["a", "c"]
+    assert manager.acquire("d", {"c"}) and sorted(manager.resident) == ["c", "d"]
+    assert (manager.stats.hits, manager.stats.misses) == (1, 4)
+
+
+def test_bad_lora_calls_are_refused_clearly(tiny_model_dir, loras_of) -> None:
+    model_dir, loras = tiny_model_dir("llama"), loras_of("llama")
+    llm, _ = serve(model_dir, {"qv4": loras["qv4"]}, max_lora_rank=8)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="unknown adapter 'nope'.*qv4"):
+        engine.add_request([5, 6, 7], GREEDY, adapter="nope")
+    with pytest.raises(ValueError, match="rank 16.*ranks 1 to 8.*max-lora-rank"):
+        engine.add_lora("ko16", peft_loader("ko16", loras["ko16"], engine.config), 16)
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_lora("qv4", peft_loader("qv4", loras["qv4"], engine.config), 4)
+    engine.add_request([5, 6, 7], GREEDY, adapter="qv4")
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        engine.remove_lora("qv4")
+    with pytest.raises(ValueError, match="no LoRA adapter 'other'"):
+        engine.remove_lora("other")
+    while engine.has_unfinished():
+        engine.step()
+    engine.remove_lora("qv4")
+    assert engine.list_loras() == []
+    with pytest.raises(ValueError, match="max_loras must be >= 1"):
+        EngineOptions(max_loras=0).validate()

@@ -1,0 +1,34 @@
+"""A snapshot's LoRA adapters registered with the engine at load (snapshot/loader.py): each paged in from its own
+verified blob when a request names it, and greedy output equal to PEFT's with that adapter, mixed with the base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime import SamplingParams
+from snapshot.build import BuildOptions, build_snapshot
+from snapshot.cache import BlobCache
+from snapshot.loader import load
+from snapshot.store import LocalStore
+from snapshot.transfer import push_snapshot
+from tests.snapshot.test_lora_blobs import loras, model_dir, specs  # noqa: F401 (fixtures)
+from tests.support.peft_reference import assert_matches_peft
+
+
+def test_the_loader_registers_each_adapter_and_decodes_as_peft(model_dir: Path, loras: dict[str, Path],  # noqa: F811
+                                                               tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path / "build-cache")
+    built = build_snapshot(model_dir, BuildOptions(dtype="float32", loras=specs(loras, "sql", "chat")), cache)
+    store = LocalStore(tmp_path / "store")
+    push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
+    llm = load(built.id, store=store, cache=tmp_path / "serve-cache", num_kv_blocks=64, prepack_weights=False)
+    assert sorted(llm.engine.list_loras()) == ["chat", "sql"]
+    prompt = [5, 17, 99, 4, 250, 31]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate([prompt] * 3, params, adapter=["sql", None, "chat"])
+    for out, name in zip(outs, ["sql", None, "chat"], strict=True):
+        if name is not None:
+            assert_matches_peft(model_dir, loras[name], prompt, out.token_ids)
+    assert outs[0].token_ids != outs[1].token_ids != outs[2].token_ids
+
+
