@@ -14,9 +14,11 @@ Shapes (issue 15):
 - long: 2 fresh prompts of 1,536-2,048 tokens
 - cached: 8 prompts of ~100 new tokens (90-110) behind one 768-1,024-token prefix, prefilled (untimed) first
 
-Systems: `warmstart` (the default CPU path, fused small ops), `warmstart-torch` (WARMSTART_CPU_SMALL_OPS=torch:
-the PyTorch reference ops), `vllm` (benchmarks/peers/prefill_vllm.py under /work/peers/vllm/.venv or
-$WARMSTART_VLLM_PYTHON, threads bound to the first OMP_NUM_THREADS CPUs; skipped with a message when absent).
+Systems: `warmstart` (the default CPU path: fused small ops, the C prefill attention), `warmstart-sdpa` (the same
+with prefill attention on SDPA, WARMSTART_CPU_PREFILL_ATTENTION=torch), `warmstart-torch`
+(WARMSTART_CPU_SMALL_OPS=torch and WARMSTART_CPU_PREFILL_ATTENTION=torch: the PyTorch reference ops), `vllm`
+(benchmarks/peers/prefill_vllm.py under /work/peers/vllm/.venv or $WARMSTART_VLLM_PYTHON, threads bound to the
+first OMP_NUM_THREADS CPUs; skipped with a message when absent).
 The model: SmolLM2-135M-Instruct from `warmstart prepare-model smollm2`, in bfloat16 (--model-dir to override).
 """
 
@@ -69,7 +71,8 @@ def warmstart_worker(model_dir: str, max_batched: int) -> None:
     llm.generate([[100 + i for i in range(64)]], one)  # warm-up
     ops = llm.engine.runner.model.ops
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
-                      "small_ops_kernel": getattr(ops, "small_ops_kernel", None)}), flush=True)
+                      "small_ops_kernel": getattr(ops, "small_ops_kernel", None),
+                      "prefill_attention": os.environ.get("WARMSTART_CPU_PREFILL_ATTENTION")}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         if job["prefix"]:
@@ -136,6 +139,7 @@ def start(system: str, args: argparse.Namespace) -> Worker | None:
     env.setdefault("OMP_NUM_THREADS", "2")
     if system.startswith("warmstart"):
         env["WARMSTART_CPU_SMALL_OPS"] = "torch" if system == "warmstart-torch" else "kernel"
+        env["WARMSTART_CPU_PREFILL_ATTENTION"] = "kernel" if system == "warmstart" else "torch"
         cmd = [sys.executable, __file__, "--worker", "--model-dir", str(args.model_dir),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         return Worker(system, cmd, env)
@@ -158,7 +162,7 @@ def default_model_dir() -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--systems", nargs="+", default=["warmstart", "warmstart-torch", "vllm"])
+    ap.add_argument("--systems", nargs="+", default=["warmstart", "warmstart-sdpa", "warmstart-torch", "vllm"])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model-dir", type=Path)

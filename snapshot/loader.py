@@ -34,7 +34,7 @@ from runtime.tokenizer import Tokenizer
 from snapshot.cache import BlobCache
 from snapshot.device_copy import BlobCopier
 from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
-from snapshot.lora import lora_loader
+from snapshot.lora import LoraPull, lora_blob_ids, lora_loader
 from snapshot.refs import resolve_ref
 from snapshot.store import Store
 from snapshot.stores import open_store
@@ -110,6 +110,7 @@ def load_with_report(
     raw = blob_cache.get_manifest(ref) if is_id(ref) else None
     cached = Manifest.decode(raw, where=f"cached snapshot {ref}") if raw is not None else None
     manifest = None
+    the_store: Store | None = None  # opened only when something must be pulled
     copier = None
     if stage_weights or (stage_weights is None and where.type != "cpu"):
         copier = BlobCopier(where, lambda blob, size: _map_cached(blob_cache, blob, size, report.snapshot_id))
@@ -145,7 +146,7 @@ def load_with_report(
             report.phases["manifest"] = time.monotonic() - start
             raw, stats = pull_snapshot(the_store, blob_cache, report.snapshot_id, concurrency=concurrency, rank=rank,
                                        check=check, verify_cached=False,
-                                       on_blob=copier.ready if copier is not None else None)
+                                       on_blob=copier.ready if copier is not None else None, defer=lora_blob_ids)
             report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
             report.phases["blobs"] = time.monotonic() - start
         if blob_id(raw) != report.snapshot_id:
@@ -155,7 +156,13 @@ def load_with_report(
         report.manifest = manifest
         report.blobs_total = len(manifest.blob_ids(rank))
         _carry_kernels_in(blob_cache)
-        engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group, copier)
+        lora_pull = None
+        if the_store is not None and lora_blob_ids(manifest):  # left out of the pull above, brought in meanwhile
+            sizes = manifest.blob_sizes(rank)
+            lora_pull = LoraPull(the_store, blob_cache, manifest.id, raw,
+                                 {b: sizes[b] for b in lora_blob_ids(manifest)})
+        engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group, copier,
+                                      lora_pull.wait if lora_pull is not None else lambda: None)
     finally:
         if copier is not None:
             copier.stop()
@@ -176,9 +183,11 @@ def engine_from_manifest(
     prefixes_out: list[dict[str, Any]] | None = None,
     group: TensorParallelGroup | None = None,
     copier: BlobCopier | None = None,
+    loras_pulled: Callable[[], None] = lambda: None,
 ) -> LLMEngine:
     """``copier``: the weight blobs' copy to the device, under way (see load_with_report); the engine's weights
-    are views over its copies, and the engine runs where they are."""
+    are views over its copies, and the engine runs where they are. ``loras_pulled``: returns once the LoRA
+    adapters' blobs are in the cache (a cold start pulls them last, see snapshot.lora.LoraPull)."""
     sid = manifest.id
     _check_ranks(manifest, group)
     m = rank_view(manifest.data, 0 if group is None else group.rank)
@@ -187,8 +196,9 @@ def engine_from_manifest(
     on_device = _finish_copy(copier, sid) if copier is not None else {}
     if copier is not None:
         mark("device_copy")
+    later = lora_blob_ids(manifest)  # read when an adapter is paged in, not mapped
     mapped = {b: on_device[b] if b in on_device else _map_cached(cache, b, size, sid)
-              for b, size in m["blobs"].items()}
+              for b, size in m["blobs"].items() if b not in later}
     tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
     shard_config = config
     if group is not None and group.world > 1:
@@ -227,7 +237,8 @@ def engine_from_manifest(
     for a in m.get("adapters", []):
         engine.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
     for lora in m.get("loras", []):  # paged in by the engine when a request first needs one (snapshot/lora.py)
-        engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]]), int(lora["rank"]))
+        engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]], loras_pulled),
+                        int(lora["rank"]))
     selector = m.get("adapter_selector")
     if selector is not None:
         centroids = tensor_view(mapped[selector["blob"]], selector)

@@ -16,6 +16,7 @@ sees an adapter whose blobs are not all there.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -109,13 +110,16 @@ def read_verified_blob(cache: BlobCache, blob: str, size: int, what: str) -> tor
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def lora_loader(entry: dict[str, Any], cache: BlobCache, size: int) -> Callable[[], LoraWeights]:
-    """What the engine calls to page the adapter in: its blob read from the cache, verified, as LoraWeights."""
+def lora_loader(entry: dict[str, Any], cache: BlobCache, size: int,
+                pulled: Callable[[], None] = lambda: None) -> Callable[[], LoraWeights]:
+    """What the engine calls to page the adapter in: its blob read from the cache, verified, as LoraWeights.
+    ``pulled`` returns once the blob is in the cache (see LoraPull), or raises LoraError."""
     from runtime.engine.lora import LoraWeights
 
     name = entry["name"]
 
     def load() -> LoraWeights:
+        pulled()
         raw = read_verified_blob(cache, entry["blob"], size, f"LoRA adapter {name!r}")
         tensors = {n: _view(raw, place) for n, place in entry["tensors"].items()}
         return LoraWeights.from_tensors(name, entry["meta"], tensors)
@@ -126,6 +130,40 @@ def lora_loader(entry: dict[str, Any], cache: BlobCache, size: int) -> Callable[
 def _view(raw: torch.Tensor, place: dict[str, Any]) -> torch.Tensor:
     start = place["offset"]
     return raw[start : start + place["nbytes"]].view(getattr(torch, place["dtype"])).view(place["shape"])
+
+
+def lora_blob_ids(manifest: Manifest) -> set[str]:
+    """The blobs of a manifest's LoRA adapters: not needed to serve until a request names one."""
+    return {entry["blob"] for entry in manifest.data.get("loras", [])}
+
+
+class LoraPull:
+    """A cold start's LoRA blobs, pulled in a thread once the rest is in, so that adapters do not delay the first
+    request; the engine's page-in waits for them (``wait``). The manifest is cached when they are all in, keeping
+    the cache's rule that a cached manifest's blobs are all there."""
+
+    def __init__(self, store: Store, cache: BlobCache, snapshot_id: str, manifest_bytes: bytes,
+                 sizes: dict[str, int]) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._args = store, cache, snapshot_id, manifest_bytes, sizes
+        self._thread = threading.Thread(target=self._run, name="warmstart-lora-pull", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        store, cache, snapshot_id, manifest_bytes, sizes = self._args
+        try:
+            pull_blobs(store, cache, sizes, snapshot=snapshot_id, verify_cached=False)
+            cache.add_manifest(snapshot_id, manifest_bytes)
+        except BaseException as e:  # handed to the page-in that waits for it
+            self._error = e
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise LoraError(f"the snapshot's LoRA adapters could not be pulled: {self._error}")
 
 
 # -- pushing one adapter against a snapshot in a store -----------------------------------------------------------

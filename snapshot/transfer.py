@@ -291,12 +291,14 @@ def discard_damaged(cache: BlobCache, sizes: Mapping[str, int | None], *, verify
 def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurrency: int = DEFAULT_CONCURRENCY,
                   part_size: int = DEFAULT_PART_SIZE, progress: bool | Progress | None = None,
                   rank: int | None = None, check: Callable[[Manifest], None] | None = None,
-                  verify_cached: bool = True, on_blob: Callable[[str], None] | None = None) -> tuple[bytes, PullStats]:
+                  verify_cached: bool = True, on_blob: Callable[[str], None] | None = None,
+                  defer: Callable[[Manifest], set[str]] | None = None) -> tuple[bytes, PullStats]:
     """Fetch the snapshot's manifest and every blob it lists into the cache; returns the manifest bytes.
     The manifest is cached last, so a cached manifest means its blobs are all in the cache. With ``rank``, only
     that tensor-parallel rank's blobs are fetched, and the manifest is not cached. ``check`` may refuse the
     manifest (by raising) before any blob is fetched. Cached blobs are checked, and ``on_blob`` is called, as
-    ``pull_blobs`` says."""
+    ``pull_blobs`` says. ``defer`` names blobs to leave for later (a loader's LoRA adapters, see snapshot.lora);
+    when it leaves any out, the manifest is not cached either: whoever pulls them caches it."""
     raw = cache.get_manifest(snapshot_id) or store.get_manifest(snapshot_id)
     manifest = Manifest.decode(raw, where=f"snapshot {snapshot_id} in {store.uri}")
     if check is not None:
@@ -305,9 +307,11 @@ def pull_snapshot(store: Store, cache: BlobCache, snapshot_id: str, *, concurren
         sizes = manifest.blob_sizes(rank)
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"snapshot {snapshot_id} in {store.uri} has no valid blob list; rebuild it") from None
-    stats = pull_blobs(store, cache, sizes, concurrency=concurrency, part_size=part_size, progress=progress,
-                       snapshot=snapshot_id, verify_cached=verify_cached, on_blob=on_blob)
-    if rank is None or manifest.tensor_parallel == 1:
+    later = defer(manifest) if defer is not None else set()
+    stats = pull_blobs(store, cache, {b: n for b, n in sizes.items() if b not in later}, concurrency=concurrency,
+                       part_size=part_size, progress=progress, snapshot=snapshot_id, verify_cached=verify_cached,
+                       on_blob=on_blob)
+    if (rank is None or manifest.tensor_parallel == 1) and not later & set(sizes):
         cache.add_manifest(snapshot_id, raw)
     return raw, stats
 

@@ -374,6 +374,20 @@ static inline int64_t pf_offset(const PrefillArgs *a, int64_t s, int64_t h, int6
     return h * a->head_stride + (block * a->block_size + column % a->block_size) * a->head_dim;
 }
 
+/* pf_offset of ``count`` consecutive positions from ``first``, with one division rather than one per key. */
+static inline void pf_offsets(const PrefillArgs *a, int64_t s, int64_t h, int64_t first, int64_t count,
+                              int64_t *offsets) {
+    const int64_t column = first - a->seqs[4 * s + 3], *table = a->tables + s * a->table_width;
+    int64_t block = column / a->block_size, within = column % a->block_size;
+    for (int64_t j = 0; j < count; j++) {
+        offsets[j] = h * a->head_stride + (table[block] * a->block_size + within) * a->head_dim;
+        if (++within == a->block_size) {
+            within = 0;
+            block++;
+        }
+    }
+}
+
 static inline float pf_load(const PrefillArgs *a, const void *base, int64_t offset) {
     return a->bf16 ? bf16_to_f32(((const uint16_t *)base)[offset]) : ((const float *)base)[offset];
 }
@@ -461,11 +475,11 @@ AVX512BF16 static inline void pf_pack_queries(const PrefillArgs *a, int64_t s, i
 
 /* Rows of ``count`` keys from position k0 as float32 pointers (``dots``: as bf16 pointers), converted into
  * ``buffer`` when the pool is bf16 and the dots are float32; missing rows up to a multiple of 4 point at zeros. */
-AVX512BF16 static inline void pf_key_rows(const PrefillArgs *a, const void *pool, int64_t s, int64_t h, int64_t k0,
+AVX512BF16 static inline void pf_key_rows(const PrefillArgs *a, const void *pool, const int64_t *offsets,
                                           int64_t count, int dots, float *buffer, const void **rows) {
     const int64_t d_len = a->head_dim;
     for (int64_t j = 0; j < count; j++) {
-        const int64_t off = pf_offset(a, s, h, k0 + j);
+        const int64_t off = offsets[j];
         if (dots || !a->bf16) {
             rows[j] = a->bf16 ? (const void *)((const uint16_t *)pool + off) : (const void *)((const float *)pool + off);
         } else {
@@ -511,7 +525,9 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
     pf_key_range(a, s, seq[2] + t0, seq[2] + t0 + nt - 1, &lo, &hi);
     for (int64_t k0 = lo; k0 <= hi; k0 += PF_KEYS) {
         const int64_t count = pf_min(PF_KEYS, hi - k0 + 1);
-        pf_key_rows(a, a->k, s, h, k0, count, dots, sc->kb, k_rows);
+        int64_t offsets[PF_KEYS]; /* of the keys' rows, the same in the K and the V pool */
+        pf_offsets(a, s, h, k0, count, offsets);
+        pf_key_rows(a, a->k, offsets, count, dots, sc->kb, k_rows);
         /* S^T = K Q^T, four keys at a time */
         for (int64_t j = 0; j < count; j += 4) {
             __m512 acc[4][4];
@@ -571,8 +587,8 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
                     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0's lanes low, p1's high */
                     _mm512_store_si512(sc->pp + jp * rp + 16 * g, _mm512_permutexvar_epi16(interleave, both));
                 }
-                const uint16_t *r0 = (const uint16_t *)a->v + pf_offset(a, s, h, k0 + 2 * jp);
-                const uint16_t *r1 = 2 * jp + 1 < count ? (const uint16_t *)a->v + pf_offset(a, s, h, k0 + 2 * jp + 1)
+                const uint16_t *r0 = (const uint16_t *)a->v + offsets[2 * jp];
+                const uint16_t *r1 = 2 * jp + 1 < count ? (const uint16_t *)a->v + offsets[2 * jp + 1]
                                                          : (const uint16_t *)pf_zeros;
                 uint32_t *dst = (uint32_t *)sc->vb + jp * d_len;
                 for (int64_t c = 0; c < d_len; c += 16) {
@@ -599,7 +615,7 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
                     for (int g = 0; g < RG; g++) _mm512_store_ps(sc->ot + (d + dd) * rp + 16 * g, acc[dd][g]);
             }
         } else {
-            pf_key_rows(a, a->v, s, h, k0, count, 0, sc->vb, v_rows);
+            pf_key_rows(a, a->v, offsets, count, 0, sc->vb, v_rows);
             for (int64_t d = 0; d < d_len; d += 4) {
                 __m512 acc[4][4];
                 for (int dd = 0; dd < 4; dd++)

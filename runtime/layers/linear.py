@@ -26,3 +26,12 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -
     if bias is not None:
         y = y + bias
     return y.view(*lead, w.shape[0])
+
+
+def plain_weight(w: LinearWeight) -> torch.Tensor | None:
+    """The row-major [out_features, in_features] tensor behind a float or prepacked weight; None for a quantized one."""
+    if isinstance(w, torch.Tensor):
+        return w
+    if isinstance(w, PackedWeight):
+        return w.weight
+    return None

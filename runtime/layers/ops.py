@@ -13,11 +13,12 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime.kernels import cpu_gemv
 from runtime.kernels import cpu_small_ops as small_ops
 from runtime.layers import attention
 from runtime.layers.activation import silu_and_mul
 from runtime.layers.attention import AttentionMetadata
-from runtime.layers.linear import LinearWeight, linear
+from runtime.layers.linear import LinearWeight, linear, plain_weight
 from runtime.layers.norm import add_rms_norm, rms_norm
 from runtime.layers.rotary import RotaryTables, apply_rotary
 
@@ -59,9 +60,10 @@ class Ops(Protocol):
 class TorchOps:
     name = "torch"
 
-    def __init__(self, decode_kernel: bool = False, small_ops_kernel: bool = False) -> None:
+    def __init__(self, decode_kernel: bool = False, small_ops_kernel: bool = False, gemv_kernel: bool = False) -> None:
         self.decode_kernel = decode_kernel  # decode attention on runtime/kernels/cpu_attention.c
         self.small_ops_kernel = small_ops_kernel  # norms, rotary, SiLU-and-mul on runtime/kernels/cpu_small_ops.c
+        self.gemv_kernel = gemv_kernel  # bf16 linears of few rows on runtime/kernels/cpu_gemv.c
 
     @property
     def ragged_decode(self) -> bool:
@@ -105,6 +107,10 @@ class TorchOps:
         return attention.paged_attention(q, k, v, cache, meta, window, self.decode_kernel)
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gemv_kernel:
+            plain = plain_weight(w)
+            if plain is not None and cpu_gemv.fits(x, plain, bias):
+                return cpu_gemv.gemv(x, plain, bias)
         return linear(x, w, bias)
 
 
@@ -119,7 +125,11 @@ def select_ops(
         raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "torch":
         kernel = attention_shape is not None and attention.decode_kernel_serves(device, dtype, *attention_shape)
-        return TorchOps(decode_kernel=kernel, small_ops_kernel=small_ops.small_ops_kernel_serves(device, dtype))
+        return TorchOps(
+            decode_kernel=kernel,
+            small_ops_kernel=small_ops.small_ops_kernel_serves(device, dtype),
+            gemv_kernel=cpu_gemv.gemv_serves(device, dtype),
+        )
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{KERNELS_ENV}=triton on the CPU runs the kernels under Triton's interpreter: also set "

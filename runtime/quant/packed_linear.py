@@ -19,6 +19,9 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.shape = (weight.shape[0], weight.shape[1])
+        # Kept for the few-row kernel (runtime/kernels/cpu_gemv.py), which reads the plain layout: the mapped
+        # snapshot tensor (or the loaded one), not another copy.
+        self.weight = weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

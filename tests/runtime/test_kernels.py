@@ -72,7 +72,8 @@ def test_silu_and_mul_rejects_odd_width() -> None:
 def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
     modules = imported_after("import runtime, runtime.models.model, runtime.engine.engine")
     kernels = {m for m in modules if m.startswith("runtime.kernels.")}
-    cpu_kernels = {"runtime.kernels._cpu_attention", "runtime.kernels._cpu_small_ops", "runtime.kernels.cpu_small_ops"}
+    cpu_kernels = {"runtime.kernels._cpu_attention", "runtime.kernels._cpu_small_ops", "runtime.kernels.cpu_small_ops",
+                   "runtime.kernels._cpu_gemv", "runtime.kernels.cpu_gemv"}
     assert "triton" not in modules and kernels <= cpu_kernels
 
 

@@ -245,6 +245,9 @@ class StaleView(Store):
     def get_manifest(self, snapshot_id: str) -> bytes:
         return self.store.get_manifest(snapshot_id)
 
+    def list_loras(self) -> dict[tuple[str, str], str]:
+        return self.store.list_loras()
+
     def delete_blob(self, blob: str) -> None:
         self.store.delete_blob(blob)
 

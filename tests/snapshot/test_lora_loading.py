@@ -3,9 +3,11 @@ verified blob when a request names it, and greedy output equal to PEFT's with th
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from runtime import SamplingParams
+from runtime import LLM, SamplingParams
 from snapshot.build import BuildOptions, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.loader import load
@@ -32,3 +34,41 @@ def test_the_loader_registers_each_adapter_and_decodes_as_peft(model_dir: Path, 
     assert outs[0].token_ids != outs[1].token_ids != outs[2].token_ids
 
 
+
+
+class HeldStore(LocalStore):
+    """A local store whose LoRA blobs do not arrive until ``release`` is set."""
+
+    def __init__(self, root: Path, held: set[str]) -> None:
+        super().__init__(root)
+        self.held, self.release = held, threading.Event()
+
+    def stream_range(self, blob: str, start: int, end: int) -> Iterator[bytes]:
+        if blob in self.held:
+            self.release.wait()
+        return super().stream_range(blob, start, end)
+
+
+def test_a_cold_start_is_ready_before_its_lora_blobs_arrive(model_dir: Path, loras: dict[str, Path],  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    built = build_snapshot(model_dir, BuildOptions(dtype="float32", loras=specs(loras, "sql", "chat")),
+                           BlobCache(tmp_path / "build-cache"))
+    store = HeldStore(tmp_path / "store", {e["blob"] for e in built.manifest.data["loras"]})
+    push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
+    cache = BlobCache(tmp_path / "serve-cache")
+    loaded: list[LLM] = []
+    loading = threading.Thread(target=lambda: loaded.append(load(built.id, store=store, cache=cache,
+                                                                 num_kv_blocks=64, prepack_weights=False)))
+    loading.start()
+    loading.join(timeout=60)
+    try:
+        assert loaded, "the load waited for the LoRA blobs"
+        assert cache.get_manifest(built.id) is None  # cached only once every blob is in
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        assert len(loaded[0].generate([[5, 6, 7]], params)[0].token_ids) == 3  # the base serves meanwhile
+    finally:
+        store.release.set()
+    out = loaded[0].generate([[5, 17, 99, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                             adapter="sql")[0]
+    assert_matches_peft(model_dir, loras["sql"], [5, 17, 99, 4], out.token_ids)
+    assert cache.get_manifest(built.id) is not None

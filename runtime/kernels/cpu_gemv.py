@@ -1,0 +1,80 @@
+"""bfloat16 linear layers for few rows on the CPU (runtime/kernels/cpu_gemv.c): a decode step's matmuls at the speed
+of reading the weights once, from the plain row-major weight.
+
+oneDNN's matmul (on the prepacked copy, runtime/quant/packed_linear.py) stays the path for more rows, for float32
+(whose arithmetic the transformers comparison pins down), for CPUs without AVX512-BF16, for installs built without
+a C compiler, and under ``WARMSTART_CPU_GEMV=torch``.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+_ext: ModuleType | None
+try:  # built by setup.py; absent where the install had no C compiler
+    from runtime.kernels import _cpu_gemv as _ext
+except ImportError:  # pragma: no cover - depends on the install
+    _ext = None
+
+GEMV_ENV = "WARMSTART_CPU_GEMV"
+GEMV_CHOICES = ("kernel", "torch")
+KERNEL_MAX_ROWS = _ext.MAX_ROWS if _ext is not None else 0  # the most rows of x the kernel takes per call
+# The most rows the CPU ops send it (``fits``); beyond, oneDNN's blocked matmul on the prepacked weight, which reuses
+# each weight from cache, measured faster (benchmarks/decode.py's --rows).
+MAX_ROWS = 4
+
+
+def cpu_supported() -> bool:
+    """Whether this install has the kernel and this CPU the instructions it needs."""
+    return _ext is not None and bool(_ext.has_avx512_bf16())
+
+
+def gemv_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel serves a model on ``device`` in ``dtype`` (``WARMSTART_CPU_GEMV=torch`` turns it off);
+    ``fits`` then says it per call."""
+    choice = os.environ.get(GEMV_ENV) or "kernel"
+    if choice not in GEMV_CHOICES:
+        raise ValueError(f"{GEMV_ENV}={choice!r} is not one of {', '.join(GEMV_CHOICES)}")
+    return choice == "kernel" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_supported()
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the CPU ops send this product to the kernel: it ``takes`` it and x has at most MAX_ROWS rows."""
+    return takes(x, weight, bias) and _rows(x) <= MAX_ROWS
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``gemv(x, weight, bias)`` takes these tensors: bf16, 1 to KERNEL_MAX_ROWS rows of x, a contiguous
+    [N, K] weight, a bias of N."""
+    return (
+        1 <= _rows(x) <= KERNEL_MAX_ROWS
+        and x.dtype == weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.shape[-1] == weight.shape[1]
+        and x.device.type == weight.device.type == "cpu"
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == weight.shape[:1]))
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] of at most KERNEL_MAX_ROWS rows (see ``takes``): float32 sums, one
+    rounding to bf16."""
+    assert _ext is not None and takes(x, weight, bias)
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    _ext.gemv(
+        out.data_ptr(), rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        rows.shape[0], n, k, rows.stride(0) if rows.shape[0] > 1 else k, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
