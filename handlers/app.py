@@ -49,7 +49,10 @@ def create_app(state: ServeState) -> Starlette:
     async def status(request: Request) -> Response:
         body = state.status_json()
         if state.healthy and state.service:
-            body["speculative"] = speculative_status(await state.service.llm.stats(), body.get("engine", {}))
+            stats = await state.service.llm.stats()
+            body["speculative"] = speculative_status(stats, body.get("engine", {}))
+            if stats.kv_tier is not None:
+                body["kv_tier"] = {**body.get("kv_tier", {}), "counters": stats.kv_tier}
         return JSONResponse(body)
 
     async def metrics(request: Request) -> Response:

@@ -153,6 +153,8 @@ class _EngineCollector(Collector):
                       "ones plus one from the target per pass.", stats.spec_num_emitted_tokens if stats else 0)
         yield gauge("spec_decode_draft_acceptance_rate", "Accepted over proposed tokens, since the start.",
                     stats.spec_acceptance_rate if stats else 0.0)
+        if stats is not None and stats.kv_tier is not None:
+            yield from _kv_tier_metrics(stats.kv_tier, counter)
         if m.engine_info:
             # An info gauge (value 1) as vLLM's cache_config_info: the labels say where and on what it serves.
             info = GaugeMetricFamily(PREFIX + "engine_info", "Where the engine runs: device (cpu, cuda:N) and ops "
@@ -173,6 +175,25 @@ class _EngineCollector(Collector):
         yield cold
         if m.comm is not None:
             yield from _tensor_parallel_metrics(m.rank_loads, m.comm)
+
+
+KV_TIER_METRICS = {  # counter name -> (its TierStats key, what it counts)
+    "kv_tier_hit_blocks": ("hit_blocks", "KV blocks loaded from the KV tier instead of computed."),
+    "kv_tier_hit_tokens": ("hit_tokens", "Prompt tokens whose KV was loaded from the KV tier."),
+    "kv_tier_miss_blocks": ("miss_blocks", "Whole-segment KV blocks looked up in the KV tier and not found."),
+    "kv_tier_miss_tokens": ("miss_tokens", "Prompt tokens looked up in the KV tier and not found."),
+    "kv_tier_read_bytes": ("bytes_read", "Bytes read from the KV tier."),
+    "kv_tier_written_bytes": ("bytes_written", "Bytes written to the KV tier."),
+    "kv_tier_segments_written": ("segments_written", "KV segments written to the KV tier."),
+    "kv_tier_load_seconds": ("load_seconds", "Seconds the KV tier's readers spent loading segments."),
+    "kv_tier_faults": ("faults", "KV tier errors, timeouts and damaged segments (each computed instead)."),
+    "kv_tier_writes_dropped": ("writes_dropped", "KV segments not written because the write queue was full."),
+}
+
+
+def _kv_tier_metrics(counters: dict[str, float], counter: Any) -> Iterator[Metric]:
+    for metric, (key, doc) in KV_TIER_METRICS.items():
+        yield counter(metric, doc, counters[key])
 
 
 def _lora_metrics(stats: LoraStats, name: list[str]) -> Iterator[Metric]:

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from handlers import kv_tier_options
 from handlers.coldstart import Timeline, print_json_line
 from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
 from handlers.reasoning import PARSERS as REASONING_PARSERS
@@ -81,6 +82,7 @@ def add_command(sub: Any) -> None:
     limits.add_argument("--api-key-env", default="WARMSTART_API_KEY", metavar="NAME",
                         help="environment variable holding the API key; when set, every route but /health needs "
                              "'Authorization: Bearer <key>' (default WARMSTART_API_KEY)")
+    kv_tier_options.add_arguments(serve)
     http = serve.add_argument_group("http")
     http.add_argument("--allowed-origins", type=origin_list, default=(), metavar="ORIGINS",
                       help="browser origins allowed to call the API, comma-separated ('*' for any): answers CORS "
@@ -126,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       if getattr(args, name) is not None}
     if args.tensor_parallel > 1 and args.speculative:
         raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")
+    kv_tier = kv_tier_options.config_from(args)
     ranks = plan_ranks(args)
     if ranks.is_follower:
         return run_follower(args, engine_options)
@@ -146,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load() -> None:
         load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,
-                      device=args.device)
+                      device=args.device, kv_tier=kv_tier)
         if state.status == "failed":
             print_json_line({"event": "error", "message": state.error})
             server.should_exit = True

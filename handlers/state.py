@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from handlers.coldstart import Timeline
 from handlers.generate import Service
+from handlers.kv_tier_options import KVTierConfig
+from handlers.kv_tier_options import attach as attach_kv_tier
 from handlers.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 from handlers.metrics import Metrics
 from handlers.openai_protocol import APIError, Prefix, ServedModel
@@ -99,6 +101,8 @@ class ServeState:
     def shutdown(self) -> None:
         if self.service is not None:
             self.service.llm.shutdown()
+            if self.service.llm.engine.tier_link is not None:
+                self.service.llm.engine.tier_link.tier.close()  # the queued segments are written
         if self.group is not None:
             if self.status == "ready":  # after a failure the followers are gone or going, on their own
                 self.group.stop_followers()
@@ -107,7 +111,7 @@ class ServeState:
 
 def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None,
                   engine_options: dict[str, Any], tensor_parallel: int = 1, collective_timeout: float = 60.0,
-                  device: str = "auto") -> None:
+                  device: str = "auto", kv_tier: KVTierConfig | None = None) -> None:
     """Pull (if need be), map and start the engine for ``state.ref`` on ``device`` (auto, cpu, cuda or cuda:N: a
     device that is not there fails the load before anything is pulled); the state ends ready or failed.
 
@@ -189,6 +193,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         if state.group is not None:
             info["tensor_parallel"] = {"size": state.group.world, "backend": state.group.backend, "ranks": rank_loads}
             state.metrics.rank_loads, state.metrics.comm = rank_loads, state.group.stats
+        if kv_tier is not None:
+            info["kv_tier"] = attach_kv_tier(engine, report.snapshot_id, kv_tier)
         ready_at = time.monotonic()
         state.set_ready(AsyncLLM(engine), model, info)
         timeline.mark("ready", at=ready_at, url=state.url, snapshot_id=report.snapshot_id, model=state.model_name,

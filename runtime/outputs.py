@@ -43,6 +43,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0  # proposed tokens verified
     spec_num_accepted_tokens: int = 0
     spec_num_emitted_tokens: int = 0  # accepted plus one target token per pass
+    kv_tier: dict[str, float] | None = None  # the KV tier's counters (runtime/engine/kv_tier.py), when it has one
 
     @property
     def spec_acceptance_rate(self) -> float:

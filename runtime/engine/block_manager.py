@@ -233,6 +233,20 @@ class BlockManager:
         self.block_tokens[block] = token_ids
         self.block_parent[block] = parent_hash
 
+    def adopt_cached(self, hashes: Seq[int], token_chunks: Seq[tuple[int, ...]], parent_hash: int) -> list[int]:
+        """Free blocks made findable by the prefix cache under a chain computed elsewhere (the KV tier), left free
+        as a finished sequence's blocks are; the caller fills their KV before the next step. [] when the pool has
+        too few free blocks."""
+        if len(hashes) > len(self.free):
+            return []
+        blocks = self.take_free(len(hashes))
+        for block, block_hash, tokens in zip(blocks, hashes, token_chunks, strict=True):
+            self.register(block, block_hash, tokens, parent_hash)
+            parent_hash = block_hash
+        for block in blocks:
+            self._release(block)
+        return blocks
+
     # -- internals ------------------------------------------------------------------------------------
 
     def _append_blocks(self, seq: Sequence, count: int) -> None:

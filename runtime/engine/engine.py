@@ -17,12 +17,14 @@ from runtime.engine.adapters import AdapterSelector, VirtualPrefix, virtual_toke
 from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from runtime.engine.device import cuda_memory, resolve_device
+from runtime.engine.kv_tier import KVTier
 from runtime.engine.lora import LoraManager, LoraStats, LoraWeights
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, Status, Timestamps, TokenLogprobs
 from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, SpecStats, adapt_k, lookahead
 from runtime.engine.structured import GrammarCompiler, compiler_for
+from runtime.engine.tier_link import TierLink
 from runtime.generation_config import GenerationDefaults
 from runtime.models.config import ModelConfig
 from runtime.models.model import Collective, Model
@@ -35,6 +37,7 @@ from runtime.tokenizer import Detokenizer, Tokenizer
 Prompt = str | list[int]
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
+TIER_IDLE_WAIT_S = 0.005  # with nothing running, a step waits this long for a KV tier lookup rather than spin
 
 
 @dataclass
@@ -123,7 +126,7 @@ class LLMEngine:
             options.max_num_batched_tokens,
             c.uniform_window,
             self._lookahead if self.proposer is not None else None,
-            self._admit_lora,
+            self._admit,
         )
         self.spec = SpecStats()
         self.requests: dict[str, tuple[Sequence, Detokenizer | None]] = {}
@@ -137,6 +140,7 @@ class LLMEngine:
         self.adapter_selector: AdapterSelector | None = None
         self.loras = LoraManager(c, options.max_loras, options.max_lora_rank, model.dtype, self.runner.device)
         self.runner.loras = self.loras
+        self.tier_link: TierLink | None = None
 
     @classmethod
     def from_hf(
@@ -211,6 +215,8 @@ class LLMEngine:
                                     seq.prompt_token_ids, params.skip_special_tokens, ends)
             self.requests[choice.request_id] = (choice, detok)
         self.scheduler.add(seq)
+        if self.tier_link is not None:
+            self.tier_link.on_add(seq)
         return seq.request_id
 
     def _choices(self, seq: Sequence) -> list[Sequence]:
@@ -362,7 +368,10 @@ class LLMEngine:
     def lora_stats(self) -> LoraStats:
         return self.loras.stats
 
-    def _admit_lora(self, seq: Sequence, running: list[Sequence]) -> bool:
+    def _admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether a waiting sequence may start: its KV tier lookup is over, and its LoRA adapter has a slot."""
+        if self.tier_link is not None and not self.tier_link.ready(seq):
+            return False
         if seq.lora is None:
             return True
         return self.loras.acquire(seq.lora, {s.lora for s in running if s.lora is not None})
@@ -419,6 +428,19 @@ class LLMEngine:
     def idle_work(self) -> bool:
         """Do one piece of start-up work left for when no request runs (a decode graph); False when none is left."""
         return self.runner.capture_pending_graph()
+
+    # -- the KV tier ------------------------------------------------------------------------------------
+
+    def attach_kv_tier(self, tier: KVTier, lookup_timeout_s: float = 2.0) -> None:
+        """Keep every whole segment of computed KV in ``tier`` and load a new prompt's stored segments before it
+        is admitted (see runtime/engine/tier_link.py)."""
+        if not self.options.enable_prefix_caching:
+            raise ValueError("the KV tier needs prefix caching (tier hits are served as prefix-cache hits)")
+        if isinstance(self.proposer, DraftProposer):
+            raise ValueError("the KV tier holds the target model's KV only; it cannot serve a draft model's")
+        if self.runner.model.sharded:
+            raise ValueError("the KV tier does not support tensor parallelism yet (each rank holds part of the KV)")
+        self.tier_link = TierLink(tier, self.blocks, self.runner, lookup_timeout_s)
 
     # -- precomputed prefixes (snapshots) -----------------------------------------------------------------
 
@@ -509,6 +531,8 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.tier_link is not None:
+            self.tier_link.poll(wait_s=0.0 if self.scheduler.running else TIER_IDLE_WAIT_S)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -522,6 +546,8 @@ class LLMEngine:
                 self.blocks.commit(seq)
                 if self.proposer is not None:
                     self.blocks.trim(seq)  # slots reserved for proposals that did not come
+        if self.tier_link is not None:
+            self.tier_link.after_step(batch.seqs)
         now = time.monotonic()
         for seq, _, _ in results:
             if seq.forked_from is not None:
@@ -684,6 +710,7 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_num_emitted_tokens=self.spec.num_emitted_tokens,
+            kv_tier=self.tier_link.tier.stats.counters(self.blocks.block_size) if self.tier_link else None,
         )
 
     def _blocks_from_memory(self, pinned_blocks: int, device: torch.device) -> int:

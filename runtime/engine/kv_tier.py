@@ -19,6 +19,7 @@ full), reads are futures a waiting sequence polls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import queue
 import struct
@@ -133,6 +134,13 @@ class TierStats:
     faults: int = 0  # a backend error, a timeout or a damaged object: computed again instead
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def counters(self, block_size: int) -> dict[str, float]:
+        with self.lock:
+            values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lock"}
+        values["hit_tokens"] = values["hit_blocks"] * block_size
+        values["miss_tokens"] = values["miss_blocks"] * block_size
+        return values
+
     def add(self, **amounts: float) -> None:
         with self.lock:
             for name, amount in amounts.items():
@@ -151,38 +159,42 @@ class Lookup:
 class KVTier:
     def __init__(
         self, backend: KVTierBackend, scope: TierScope, segment_blocks: int = DEFAULT_SEGMENT_BLOCKS,
-        max_age_s: float | None = None, max_pending_writes: int = 64, read_threads: int = 4,
+        max_age_s: float | None = None, max_pending_writes: int = 64, read_threads: int = 4, fetch_threads: int = 16,
     ) -> None:  # fmt: skip
         if segment_blocks < 1:
             raise ValueError(f"segment_blocks must be at least 1, not {segment_blocks}")
         self.backend, self.scope, self.segment_blocks, self.max_age_s = backend, scope, segment_blocks, max_age_s
         self.stats = TierStats()
-        self._writes: queue.Queue[tuple[list[int], torch.Tensor] | None] = queue.Queue(max_pending_writes)
+        self._writes: queue.Queue[tuple[TierScope, list[int], torch.Tensor] | None] = queue.Queue(max_pending_writes)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kv-tier-reader")
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kv-tier-reader")  # one per lookup
+        self._fetchers = ThreadPoolExecutor(fetch_threads, thread_name_prefix="kv-tier-fetch")  # one per GET
 
     def whole_segments(self, num_blocks: int) -> int:
         return num_blocks // self.segment_blocks
 
-    def save(self, hashes: Seq[int], kv: torch.Tensor) -> bool:
+    def scope_for(self, adapter: str | None) -> TierScope:
+        return self.scope if not adapter else dataclasses.replace(self.scope, adapter=adapter)
+
+    def save(self, hashes: Seq[int], kv: torch.Tensor, adapter: str | None = None) -> bool:
         """Queue one segment's KV (a copy the caller no longer touches) for writing; False when it was dropped."""
         assert len(hashes) == self.segment_blocks
         try:
-            self._writes.put_nowait((list(hashes), kv))
+            self._writes.put_nowait((self.scope_for(adapter), list(hashes), kv))
             return True
         except queue.Full:
             self.stats.add(writes_dropped=1)
             return False
 
-    def lookup(self, hashes: Seq[int], first_segment: int) -> Lookup | None:
+    def lookup(self, hashes: Seq[int], first_segment: int, adapter: str | None = None) -> Lookup | None:
         """Start loading the whole segments of the chain ``hashes`` from ``first_segment`` on; None when it has
         no whole segment past those."""
         last = self.whole_segments(len(hashes))
         if first_segment >= last:
             return None
         chain = list(hashes[: last * self.segment_blocks])
-        future = self._readers.submit(self._read_run, chain, first_segment)
+        future = self._readers.submit(self._read_run, self.scope_for(adapter), chain, first_segment)
         return Lookup(first_segment, future, time.monotonic())
 
     def segment_hashes(self, hashes: Seq[int], segment: int) -> list[int]:
@@ -195,33 +207,38 @@ class KVTier:
             self._writes.put(None, timeout=timeout)
         self._writer.join(timeout)
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
 
     # -- on the tier's threads ---------------------------------------------------------------------------
 
-    def _read_run(self, chain: list[int], first_segment: int) -> list[torch.Tensor]:
-        """Segments first_segment.. of ``chain`` until the first that is absent or unusable."""
+    def _read_run(self, scope: TierScope, chain: list[int], first_segment: int) -> list[torch.Tensor]:
+        """Segments first_segment.. of ``chain`` until the first that is absent or unusable; their GETs run at once
+        (a 4k-token history is 16 of them), the run is cut where the first one fails."""
         start = time.monotonic()
+        segments = [self.segment_hashes(chain, s) for s in range(first_segment, len(chain) // self.segment_blocks)]
+        gets = [self._fetchers.submit(self.backend.get, scope.key(hashes[-1])) for hashes in segments]
         loaded: list[torch.Tensor] = []
-        for segment in range(first_segment, len(chain) // self.segment_blocks):
-            hashes = self.segment_hashes(chain, segment)
+        for hashes, get in zip(segments, gets, strict=True):
             try:
-                data = self.backend.get(self.scope.key(hashes[-1]))
+                data = get.result()
                 if data is None:
                     break
-                loaded.append(unpack(data, self.scope, hashes, self.max_age_s))
+                loaded.append(unpack(data, scope, hashes, self.max_age_s))
                 self.stats.add(bytes_read=len(data))
             except Exception:  # a failing or damaged tier costs a recompute, never a request
                 self.stats.add(faults=1)
                 break
+        for get in gets[len(loaded) + 1 :]:
+            get.cancel()
         self.stats.add(load_seconds=time.monotonic() - start)
         return loaded
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            hashes, kv = item
+            scope, hashes, kv = item
             try:
-                data = pack(self.scope, hashes, kv)
-                self.backend.put(self.scope.key(hashes[-1]), data)
+                data = pack(scope, hashes, kv)
+                self.backend.put(scope.key(hashes[-1]), data)
                 self.stats.add(bytes_written=len(data), segments_written=1)
             except Exception:
                 self.stats.add(faults=1)

@@ -285,6 +285,11 @@ class ModelRunner:
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return torch.stack([cache.index_select(2, index) for cache in self.kv_caches])
 
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A copy of blocks' KV, [num_layers, 2, kv_heads, len(blocks), block_size, head_dim] (fill_blocks' input)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return torch.stack([cache.index_select(2, index) for cache in self.kv_caches])
+
     def fill_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """Write KV computed elsewhere, [num_layers, 2, kv_heads, len(blocks), block_size, head_dim], into blocks."""
         self._zero_new_blocks(max(blocks))  # so that lazy zeroing never overwrites what is written here

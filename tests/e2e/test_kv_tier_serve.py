@@ -1,0 +1,156 @@
+"""The serverless case as users meet it: a conversation's second turn lands on a new `warmstart serve` process
+(an empty pool) and loads the first turn's KV from the tier (S3 on a real moto server, or the local disk after a
+restart) instead of computing it, with the same tokens as a server without a tier."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+
+from tests.support.aws import isolate_aws
+from tests.support.fault_proxy import FaultProxy
+from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot
+
+SERVE = ("--num-kv-blocks", "64", "--max-model-len", "256", "--kv-tier-segment-blocks", "2")
+TURN1 = [(13 * i + 5) % 1000 for i in range(120)]
+MORE = [(7 * i + 3) % 1000 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def snap(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> TinySnapshot:  # type: ignore[no-untyped-def]
+    return build_tiny_snapshot(tiny_model_dir("llama"), tmp_path_factory.mktemp("kv-tier"))
+
+
+def complete(server: ServerProcess, prompt: list[int]) -> tuple[list[str], int]:
+    """Greedy completion of token ids: its tokens (as logprobs name them) and the prompt tokens served cached."""
+    body = {"model": REF, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    return choice["logprobs"]["tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    line = next(line for line in text.splitlines() if line.startswith(f"warmstart:{name}"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def serve(snap: TinySnapshot, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    server = ServerProcess(snap, *SERVE, *args, env=env)
+    server.wait_for("ready")
+    return server
+
+
+def second_turn_on_a_fresh_instance(snap: TinySnapshot, tier: tuple[str, ...], env: dict[str, str] | None) -> None:
+    plain = serve(snap)
+    try:
+        reply, _ = complete(plain, TURN1)
+        expected, _ = complete(plain, TURN1 + MORE)
+    finally:
+        plain.stop()
+    first = serve(snap, *tier, env=env)
+    try:
+        assert complete(first, TURN1)[0] == reply
+    finally:
+        assert first.stop() == 0  # SIGTERM: the queued segments are written before the exit
+    second = serve(snap, *tier, env=env)
+    try:
+        got, cached = complete(second, TURN1 + MORE)
+        assert got == expected
+        assert cached >= 96  # the first turn's whole segments (2 blocks of 16 tokens each) at least
+        assert metric(second, "kv_tier_hit_tokens_total") == cached
+        assert metric(second, "kv_tier_faults_total") == 0
+        status = httpx.get(f"{second.url}/status", headers=AUTH, timeout=10).json()["kv_tier"]
+        assert status["kind"] == tier[1] and status["counters"]["hit_blocks"] * 16 == cached
+    finally:
+        second.stop()
+
+
+def test_turn_two_on_a_new_instance_loads_turn_one_from_s3(snap: TinySnapshot, moto_endpoint: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    isolate_aws(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    boto3.client("s3").create_bucket(Bucket="kv-tier-e2e")
+    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    second_turn_on_a_fresh_instance(snap, ("--kv-tier", "s3", "--kv-store", "s3://kv-tier-e2e/tier"), env)
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="kv-tier-e2e")["Contents"]]
+    assert keys and all(k.startswith(f"tier/kv/default/{snap.id}/") for k in keys)
+
+
+def s3_env(bucket: str, endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    isolate_aws(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+
+
+def test_a_second_replica_s_first_request_behind_a_shared_document_is_a_tier_hit(
+    snap: TinySnapshot, moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = s3_env("kv-tier-replicas", moto_endpoint, tmp_path, monkeypatch)
+    tier = ("--kv-tier", "s3", "--kv-store", "s3://kv-tier-replicas/t")
+    first, second = serve(snap, *tier, env=env), serve(snap, *tier, env=env)
+    try:
+        reply, _ = complete(first, TURN1)  # the document, asked about on the first replica
+        deadline = time.monotonic() + 30
+        while metric(first, "kv_tier_segments_written_total") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # written off the step loop, shortly after
+        got, cached = complete(second, TURN1)
+        assert got == reply and cached >= 96
+    finally:
+        first.stop()
+        second.stop()
+
+
+@pytest.mark.parametrize("fault", ["cut", "corrupt"])
+def test_a_faulty_s3_tier_costs_a_recompute_and_shows_in_the_metrics(
+    fault: str, snap: TinySnapshot, moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket = f"kv-tier-{fault}"
+    env = s3_env(bucket, moto_endpoint, tmp_path, monkeypatch)
+    tier = ("--kv-tier", "s3", "--kv-store", f"s3://{bucket}/t")
+    writer = serve(snap, *tier, env=env)
+    try:
+        reply, _ = complete(writer, TURN1)
+    finally:
+        writer.stop()
+    keys = sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket)["Contents"])
+    assert len(keys) >= 3
+    with FaultProxy(moto_endpoint) as proxy:
+        if fault == "cut":
+            proxy.fail(r"/kv/", nth=1, fault="cut")  # the first segment's body is cut midway
+        else:
+            boto3.client("s3").put_object(Bucket=bucket, Key=keys[0], Body=b"WSKV" + b"\0" * 64)
+        reader = serve(snap, *tier, env={**env, "AWS_ENDPOINT_URL": proxy.url})
+        try:
+            got, cached = complete(reader, TURN1)
+            assert got == reply
+            assert metric(reader, "kv_tier_faults_total") >= 1
+            assert cached < 96  # the run of segments stops at the damaged one (all three would be 96 tokens)
+        finally:
+            reader.stop()
+
+
+def test_turn_two_after_a_restart_loads_turn_one_from_the_disk(snap: TinySnapshot, tmp_path: Path) -> None:
+    second_turn_on_a_fresh_instance(snap, ("--kv-tier", "disk", "--kv-tier-dir", str(tmp_path / "tier")), None)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--kv-tier", "s3"), "--kv-store"),
+    (("--kv-store", "s3://b/p"), "--kv-tier is off"),
+    (("--kv-tier", "disk", "--kv-tier-namespace", "a/b"), "--kv-tier-namespace"),
+    (("--kv-tier", "disk", "--kv-tier-max-bytes", "0"), "--kv-tier-max-bytes"),
+])  # fmt: skip
+def test_tier_flags_that_cannot_work_are_refused_before_loading(snap: TinySnapshot, flags: tuple[str, ...],
+                                                                message: str) -> None:  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", REF, "--store", str(snap.store), *flags],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
