@@ -1,0 +1,223 @@
+"""Decode of one sequence on the CPU: warmstart against llama.cpp, side by side (issue 15, target 2).
+
+    OMP_NUM_THREADS=2 python benchmarks/decode.py [--rounds 5] [--systems warmstart warmstart-torch llamacpp]
+        [--prompt-tokens 64] [--new-tokens 128] [--model-dir DIR] [--json OUT]
+    OMP_NUM_THREADS=2 python benchmarks/decode.py --kernel-rows   # gemv kernel against oneDNN, rows 1..8
+
+One sequence, greedy, EOS ignored, a fresh random prompt each round. Figure: ms per generated token after the
+first, (finished - first token) / new tokens, so the prompt's prefill is not in it. Systems, in an order that
+rotates from round to round:
+- ``warmstart``: the default CPU path in bfloat16 (the gemv kernel for decode rows, runtime/kernels/cpu_gemv.c).
+- ``warmstart-torch``: the same engine on its reference path (what ``WARMSTART_CPU_GEMV=torch`` selects: oneDNN on
+  the prepacked weights), switched in place so both share one load.
+- ``llamacpp``: llama.cpp (llama-cpp-python 0.3.36) on the same model converted to a bf16 GGUF, through
+  benchmarks/peers/run_llamacpp.py under /work/peers/llamacpp/.venv (or $WARMSTART_LLAMACPP_PYTHON), one
+  subprocess per round (its load is not timed; its figure is (wall - time to first token) / new tokens of its
+  own loop); skipped with a message when absent.
+Each round also measures the memory read bandwidth (a bf16 sum over 256 MiB on the same threads) and states each
+system's ms/token as a fraction of the floor: the bytes of weights one token reads (every layer's matrices and the
+LM head) / that bandwidth. Medians over rounds, and the median of the per-round ratios to ``warmstart``.
+The model: SmolLM2-135M-Instruct from `warmstart prepare-model smollm2`, in bfloat16 (--model-dir to override).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from runtime import LLM, SamplingParams  # noqa: E402
+from runtime.kernels import cpu_gemv  # noqa: E402
+from runtime.layers.linear import plain_weight  # noqa: E402
+from runtime.models.weights import LINEAR_FIELDS, ModelWeights  # noqa: E402
+from runtime.quant.packed_linear import PackedWeight  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMACPP_PYTHON = ("WARMSTART_LLAMACPP_PYTHON", Path("/work/peers/llamacpp/.venv/bin/python"))
+SYSTEMS = ("warmstart", "warmstart-torch", "llamacpp")
+
+
+def weight_bytes_per_token(weights: ModelWeights) -> int:
+    """Bytes of the matrices one decode step reads: each layer's linears and the LM head (the embedding row and
+    the norms are noise)."""
+    total = 0
+    for layer in weights.layers:
+        for name in LINEAR_FIELDS:
+            w = plain_weight(getattr(layer, name))
+            assert w is not None, "quantized weights: not this benchmark"
+            total += w.numel() * w.element_size()
+    head = plain_weight(weights.lm_head)
+    assert head is not None
+    return total + head.numel() * head.element_size()
+
+
+def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second of a bf16 sum over ``nbytes`` on torch's threads (the best of ``repeats``)."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return nbytes / best
+
+
+def _timed(f: Any) -> float:
+    start = time.perf_counter()
+    f()
+    return time.perf_counter() - start
+
+
+class Warmstart:
+    """One engine, timed on its default path or its reference path (``reference=True``)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.llm = LLM.from_hf(model_dir, dtype="bfloat16")
+        thread = self.llm.engine.prepack_thread
+        if thread is not None:
+            thread.join()
+        self.ops = self.llm.engine.runner.model.ops
+        self.default_gemv = bool(getattr(self.ops, "gemv_kernel", False))
+
+    def set_reference(self, reference: bool) -> None:
+        self.ops.gemv_kernel = self.default_gemv and not reference  # type: ignore[attr-defined]
+
+    def decode_ms(self, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+        (out,) = self.llm.generate([prompt], params)
+        t = out.timestamps
+        assert t is not None and t.first_token is not None and t.finished is not None
+        return (t.finished - t.first_token) / new_tokens * 1e3, out.token_ids
+
+
+def llamacpp_python() -> Path | None:
+    path = Path(os.environ.get(LLAMACPP_PYTHON[0]) or LLAMACPP_PYTHON[1])
+    return path if path.is_file() else None
+
+
+def llamacpp_decode_ms(python: Path, model_dir: Path, prompt: list[int], new_tokens: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        requests, result = Path(tmp) / "requests.json", Path(tmp) / "result.json"
+        requests.write_text(json.dumps([{"prompt_token_ids": prompt, "max_tokens": new_tokens + 1, "arrival_s": 0}]))
+        subprocess.run(
+            [str(python), str(REPO / "benchmarks/peers/run_llamacpp.py"), "--model-dir", str(model_dir),
+             "--requests", str(requests), "--out", str(result), "--max-num-seqs", "1", "--arrival", "burst"],
+            check=True, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        r = json.loads(result.read_text())
+    return float(r["wall_s"] - r["ttft_s"][0]) / new_tokens * 1e3
+
+
+def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
+    systems = list(args.systems)
+    python = llamacpp_python()
+    if "llamacpp" in systems and python is None:
+        print(f"llamacpp: no {LLAMACPP_PYTHON[1]} (set {LLAMACPP_PYTHON[0]}); skipped", file=sys.stderr)
+        systems.remove("llamacpp")
+    ours = Warmstart(args.model_dir)
+    nbytes = weight_bytes_per_token(ours.llm.engine.runner.model.weights)
+    ours.decode_ms([1, 2, 3], 8)  # warm-up, both paths
+    ours.set_reference(True)
+    ours.decode_ms([1, 2, 3], 8)
+    rng = random.Random(0)
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        prompt = [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]
+        row: dict[str, float] = {"bandwidth_gb_s": read_bandwidth() / 1e9}
+        for name in systems[r % len(systems):] + systems[: r % len(systems)]:
+            if name == "llamacpp":
+                assert python is not None
+                row[name] = llamacpp_decode_ms(python, args.model_dir, prompt, args.new_tokens)
+            else:
+                ours.set_reference(name == "warmstart-torch")
+                row[name] = ours.decode_ms(prompt, args.new_tokens)[0]
+        rounds.append(row)
+        floor = nbytes / (row["bandwidth_gb_s"] * 1e9) * 1e3
+        print(f"round {r} ({os.getloadavg()[0]:.2f} load): " + ", ".join(
+            f"{s} {row[s]:.2f} ms/token ({floor / row[s]:.0%} of floor)" for s in systems
+        ) + f"; bandwidth {row['bandwidth_gb_s']:.1f} GB/s, floor {floor:.2f} ms", flush=True)  # fmt: skip
+    return summarize(systems, rounds, nbytes)
+
+
+def summarize(systems: list[str], rounds: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
+    bandwidth = statistics.median(r["bandwidth_gb_s"] for r in rounds)
+    floor = nbytes / (bandwidth * 1e9) * 1e3
+    summary: dict[str, Any] = {"weight_mb_per_token": nbytes / 1e6, "bandwidth_gb_s": bandwidth, "floor_ms": floor,
+                               "rounds": rounds, "systems": {}}  # fmt: skip
+    print(f"\nweights per token {nbytes / 1e6:.0f} MB; bandwidth (median) {bandwidth:.1f} GB/s; floor {floor:.2f} ms")
+    for s in systems:
+        ms = statistics.median(r[s] for r in rounds)
+        ratios = [r[s] / r["warmstart"] for r in rounds] if "warmstart" in systems else []
+        summary["systems"][s] = {"ms_per_token": ms, "fraction_of_floor": floor / ms, "per_round_ratio": ratios}
+        vs = f"; ms/token vs warmstart per round {', '.join(f'{x:.2f}' for x in ratios)}" if s != "warmstart" else ""
+        print(f"{s}: median {ms:.2f} ms/token, {floor / ms:.0%} of the bandwidth floor{vs}"
+              + (f" (median {statistics.median(ratios):.2f}x)" if ratios and s != "warmstart" else ""))
+    return summary
+
+
+def kernel_rows(args: argparse.Namespace, rounds: int = 7) -> None:
+    """Every linear of the model once per pass (as a decode step reads them), on the gemv kernel and on oneDNN's
+    prepacked weights, for 1..KERNEL_MAX_ROWS rows: what chose cpu_gemv.MAX_ROWS."""
+    llm = LLM.from_hf(args.model_dir, dtype="bfloat16")
+    weights = llm.engine.runner.model.weights
+    if llm.engine.prepack_thread is not None:
+        llm.engine.prepack_thread.join()
+    packed = [getattr(layer, f) for layer in weights.layers for f in LINEAR_FIELDS] + [weights.lm_head]
+    packed = [w if isinstance(w, PackedWeight) else PackedWeight(w) for w in packed]
+    for rows in range(1, cpu_gemv.KERNEL_MAX_ROWS + 1):
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in packed}}
+        on_gemv = functools.partial(_pass_over, packed, xs, True)
+        on_onednn = functools.partial(_pass_over, packed, xs, False)
+        times: dict[str, list[float]] = {"gemv": [], "onednn": []}
+        for _ in range(rounds):
+            times["gemv"].append(_timed(on_gemv))
+            times["onednn"].append(_timed(on_onednn))
+        ratios = [o / g for g, o in zip(times["gemv"], times["onednn"], strict=True)]
+        print(f"rows {rows}: gemv {statistics.median(times['gemv']) * 1e3:.2f} ms, oneDNN "
+              f"{statistics.median(times['onednn']) * 1e3:.2f} ms per pass over the weights; oneDNN/gemv per round "
+              f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f})", flush=True)
+
+
+def _pass_over(packed: list[PackedWeight], xs: dict[int, torch.Tensor], gemv: bool) -> None:
+    for w in packed:
+        if gemv:
+            cpu_gemv.gemv(xs[w.shape[1]], w.weight)
+        else:
+            w.linear(xs[w.shape[1]])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/warmstart/models/smollm2")
+    p.add_argument("--json", type=Path, help="write the rounds and the summary here")
+    p.add_argument("--kernel-rows", action="store_true", help="only the gemv kernel against oneDNN, rows 1..8")
+    args = p.parse_args()
+    if not (args.model_dir / "config.json").is_file():
+        raise SystemExit(f"{args.model_dir}: no model there; run `warmstart prepare-model smollm2` or pass --model-dir")
+    if args.kernel_rows:
+        kernel_rows(args)
+        return 0
+    if "warmstart" not in args.systems:
+        raise SystemExit("--systems must include warmstart (the ratios are to it)")
+    summary = run_rounds(args)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
