@@ -2,7 +2,7 @@
 
 The layout is runtime/layers/lora.py's (the PyTorch reference this is tested against): the rows carrying an
 adapter, sorted by slot and cut into tiles of one adapter each, and the resident adapters stacked in slots,
-A [slots, slices, max_rank, in], B [slots, out, slices, max_rank]. Two kernels, one launch each per linear:
+Aᵀ [slots, in, slices, max_rank], Bᵀ [slots, slices, max_rank, out]. Two kernels, one launch each per linear:
 
 - shrink: a program per tile computes ``x[rows] @ A[slot]ᵀ`` for the tile's rows, BLOCK_M at a time, into a
   float32 [rows, slices * rank] buffer (in ``rows`` order);
@@ -48,8 +48,8 @@ if HAVE_TRITON:
         width = num_slices * rank
         ks = tl.arange(0, BLOCK_K)
         k_ok = ks < width
-        # row k of the slot's A at this rank: slice k // rank, rank row k % rank
-        a_rows = slot * num_slices * max_rank * fan_in + ((ks // rank) * max_rank + ks % rank) * fan_in
+        # column k of the slot's Aᵀ at this rank: slice k // rank, rank row k % rank
+        a_cols = slot * fan_in * num_slices * max_rank + (ks // rank) * max_rank + ks % rank
         for m0 in range(start, end, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             m_ok = m < end
@@ -60,7 +60,8 @@ if HAVE_TRITON:
                 i_ok = i < fan_in
                 x = tl.load(x_ptr + rows[:, None] * x_stride + i[None, :], mask=m_ok[:, None] & i_ok[None, :],
                             other=0.0)
-                a = tl.load(a_ptr + a_rows[None, :] + i[:, None], mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_ptr + a_cols[None, :] + i[:, None] * num_slices * max_rank,
+                            mask=i_ok[:, None] & k_ok[None, :], other=0.0)
                 acc += dot(x, a)
             tl.store(out_ptr + m[:, None] * width + ks[None, :], acc, mask=m_ok[:, None] & k_ok[None, :])
 
@@ -79,8 +80,8 @@ if HAVE_TRITON:
         width = num_slices * rank
         ks = tl.arange(0, BLOCK_K)
         k_ok = ks < width
-        b_cols = (ks // rank) * max_rank + ks % rank
-        b_offsets = slot * out_features * num_slices * max_rank + n[None, :] * num_slices * max_rank + b_cols[:, None]
+        b_rows = (ks // rank) * max_rank + ks % rank
+        b_offsets = slot * num_slices * max_rank * out_features + b_rows[:, None] * out_features + n[None, :]
         b = tl.load(b_ptr + b_offsets, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         for m0 in range(start, end, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
@@ -100,8 +101,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, modul
     if module not in step.modules:
         return y
     a, b = step.slots.a[layer][module], step.slots.b[layer][module]
-    _, slices, max_rank, fan_in = a.shape
-    out_features = b.shape[1]
+    _, fan_in, slices, max_rank = a.shape
+    out_features = b.shape[3]
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert y.dim() == 2 and y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()

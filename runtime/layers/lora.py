@@ -2,8 +2,9 @@
 (runtime/kernels/lora.py) is tested against.
 
 The resident adapters are stacked in ``max_loras`` slots per fused linear (``LoraSlots``), their ranks padded to
-``max_rank``: A [slots, slices, max_rank, in], B [slots, out, slices, max_rank] with B block diagonal (output rows
-of slice s read only slice s's rank rows; see runtime/engine/lora.py for the adapters' own layout). A step
+``max_rank``, transposed for the matmuls (bfloat16 bmm on the CPU is many times slower with a transposed operand):
+Aᵀ [slots, in, slices, max_rank], Bᵀ [slots, slices, max_rank, out] with B block diagonal (output columns of
+slice s read only slice s's rank rows; see runtime/engine/lora.py for the adapters' own layout). A step
 gives each row of its flat batch a slot or none (``LoraStep``, computed once and used by every layer): the rows
 with an adapter are sorted by slot and cut into tiles of ``tile_size`` rows, each tile one adapter's, the last
 tile of each adapter padded. Every linear then costs two batched matmuls over all tiles at once, whatever the
@@ -25,8 +26,8 @@ MODULES = ("qkv", "o_proj", "gate_up", "down")
 class LoraSlots:
     """The resident adapters' weights on the model's device, one slot each."""
 
-    a: list[dict[str, torch.Tensor]]  # per layer: module -> [slots, slices, max_rank, in]
-    b: list[dict[str, torch.Tensor]]  # per layer: module -> [slots, out, slices, max_rank]
+    a: list[dict[str, torch.Tensor]]  # per layer: module -> Aᵀ [slots, in, slices, max_rank]
+    b: list[dict[str, torch.Tensor]]  # per layer: module -> Bᵀ [slots, slices, max_rank, out]
     ranks: list[int]  # per slot: its adapter's rank, 0 when empty
     targets: list[frozenset[str]]  # per slot: the fused modules its adapter adapts
 
@@ -39,11 +40,11 @@ class LoraSlots:
 
         def a(module: str) -> torch.Tensor:
             fan_in, outs = shapes[module]
-            return torch.zeros(max_loras, len(outs), max_rank, fan_in, dtype=dtype, device=device)
+            return torch.zeros(max_loras, fan_in, len(outs), max_rank, dtype=dtype, device=device)
 
         def b(module: str) -> torch.Tensor:
             _, outs = shapes[module]
-            return torch.zeros(max_loras, sum(outs), len(outs), max_rank, dtype=dtype, device=device)
+            return torch.zeros(max_loras, len(outs), max_rank, sum(outs), dtype=dtype, device=device)
 
         return cls([{m: a(m) for m in MODULES} for _ in range(num_layers)],
                    [{m: b(m) for m in MODULES} for _ in range(num_layers)],
@@ -51,7 +52,7 @@ class LoraSlots:
 
     @property
     def max_rank(self) -> int:
-        return self.a[0]["qkv"].shape[2]
+        return self.a[0]["qkv"].shape[3]
 
     def fill(self, slot: int, rank: int, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
              out_slices: dict[str, list[int]]) -> None:
@@ -69,10 +70,10 @@ class LoraSlots:
                 targets.add(module)
                 a, b = modules[module]
                 slices = len(out_slices[module])
-                a_slot[:, :rank].copy_(a.view(slices, rank, -1))
+                a_slot[:, :, :rank].copy_(a.view(slices, rank, -1).permute(2, 0, 1))
                 row = 0
                 for s, out in enumerate(out_slices[module]):
-                    b_slot[row : row + out, s, :rank].copy_(b[row : row + out])
+                    b_slot[s, :rank, row : row + out].copy_(b[row : row + out].t())
                     row += out
         self.ranks[slot] = rank
         self.targets[slot] = frozenset(targets)
@@ -88,13 +89,17 @@ class LoraStep:
 
     slots: LoraSlots
     rows: torch.Tensor  # [m] the rows with an adapter, sorted by slot
-    tile_of_row: torch.Tensor  # [m] the tile each of them goes to
-    row_in_tile: torch.Tensor  # [m] its place in that tile
+    row_position: torch.Tensor  # [m] their places in the padded tiles, tile * tile_size + place in the tile
+    pad_source: torch.Tensor  # [tiles * tile_size] the row each padded place reads and adds to (padding: rows[0])
+    padding: torch.Tensor | None  # [tiles, tile_size, 1] True at padding places, whose products are zeroed; None: none
     tile_slots: torch.Tensor  # [tiles] the slot of each tile
     tile_starts: torch.Tensor  # [tiles] where each tile's rows start in ``rows`` (the kernel's segments)
     tile_ends: torch.Tensor  # [tiles] and end
     tile_size: int
-    rank: int  # the largest rank among the step's adapters: the rank rows computed
+    rank: int  # the rank rows computed: the step's adapters' largest, or the slots' when by_slot
+    # One tile per slot, in slot order, every slot (some empty): the stacked weights are used as they lie, not
+    # gathered. Chosen when the rows spread evenly enough over the slots (decode steps, mostly).
+    by_slot: bool = False
     modules: frozenset[str] = field(default_factory=frozenset)  # fused modules any of the step's adapters adapts
 
     @property
@@ -102,37 +107,58 @@ class LoraStep:
         return int(self.tile_slots.shape[0])
 
 
-
 def lora_step(row_slots: list[int], slots: LoraSlots, device: torch.device) -> LoraStep | None:
-    """The step's layout for rows carrying slot ``row_slots[i]`` (-1: none); None when no row carries one."""
+    """The step's layout for rows carrying slot ``row_slots[i]`` (-1: none); None when no row carries one.
+
+    Tiles of ceil(rows / adapters) rows, or one tile per slot (``by_slot``) when padding every slot to the
+    busiest one's rows would at most double the rows computed."""
     per_row = torch.tensor(row_slots, dtype=torch.long)
     rows = torch.nonzero(per_row >= 0).flatten()
-    if rows.numel() == 0:
+    m = rows.numel()
+    if m == 0:
         return None
     slot_of = per_row[rows]
     order = torch.sort(slot_of, stable=True).indices
     rows, slot_of = rows[order], slot_of[order]
-    present, counts = torch.unique_consecutive(slot_of, return_counts=True)
-    tile_size = -(-rows.numel() // present.numel())
-    tiles_per_slot = (counts + tile_size - 1) // tile_size
-    first_row = torch.cumsum(counts, 0) - counts  # where each slot's run starts in ``rows``
-    first_tile = torch.cumsum(tiles_per_slot, 0) - tiles_per_slot
-    place = torch.arange(rows.numel()) - torch.repeat_interleave(first_row, counts)
-    tile_of_row = torch.repeat_interleave(first_tile, counts) + place // tile_size
-    tile_in_run = torch.arange(int(tiles_per_slot.sum())) - torch.repeat_interleave(first_tile, tiles_per_slot)
-    tile_starts = torch.repeat_interleave(first_row, tiles_per_slot) + tile_in_run * tile_size
-    tile_ends = torch.minimum(tile_starts + tile_size, torch.repeat_interleave(first_row + counts, tiles_per_slot))
+    num_slots = len(slots.ranks)
+    per_slot = torch.bincount(slot_of, minlength=num_slots)
+    present = torch.nonzero(per_slot).flatten()
+    by_slot = num_slots * int(per_slot.max()) <= 2 * m
+    if by_slot:
+        run_slots, run_counts, tile_size = torch.arange(num_slots), per_slot, int(per_slot.max())
+        tiles_per_run = torch.ones(num_slots, dtype=torch.long)
+    else:
+        run_slots, run_counts, tile_size = present, per_slot[present], -(-m // present.numel())
+        tiles_per_run = (run_counts + tile_size - 1) // tile_size
+    first_row = torch.cumsum(run_counts, 0) - run_counts  # where each run starts in ``rows``
+    first_tile = torch.cumsum(tiles_per_run, 0) - tiles_per_run
+    place = torch.arange(m) - torch.repeat_interleave(first_row, run_counts)
+    tile_of_row = torch.repeat_interleave(first_tile, run_counts) + place // tile_size
+    num_tiles = int(tiles_per_run.sum())
+    tile_in_run = torch.arange(num_tiles) - torch.repeat_interleave(first_tile, tiles_per_run)
+    tile_starts = torch.repeat_interleave(first_row, tiles_per_run) + tile_in_run * tile_size
+    tile_ends = torch.minimum(tile_starts + tile_size, torch.repeat_interleave(first_row + run_counts, tiles_per_run))
+    row_position = tile_of_row * tile_size + place % tile_size
+    pad_source = torch.full((num_tiles * tile_size,), int(rows[0]), dtype=torch.long)
+    pad_source[row_position] = rows
+    padding = None
+    if num_tiles * tile_size > m:
+        padding = torch.ones(num_tiles * tile_size, dtype=torch.bool)
+        padding[row_position] = False
+        padding = padding.view(num_tiles, tile_size, 1).to(device)
     present_list = present.tolist()
     return LoraStep(
         slots=slots,
         rows=rows.to(device),
-        tile_of_row=tile_of_row.to(device),
-        row_in_tile=(place % tile_size).to(device),
-        tile_slots=torch.repeat_interleave(present, tiles_per_slot).to(device),
+        row_position=row_position.to(device),
+        pad_source=pad_source.to(device),
+        padding=padding,
+        tile_slots=torch.repeat_interleave(run_slots, tiles_per_run).to(device),
         tile_starts=tile_starts.to(device),
         tile_ends=tile_ends.to(device),
         tile_size=tile_size,
-        rank=max(slots.ranks[s] for s in present_list),
+        rank=slots.max_rank if by_slot else max(slots.ranks[s] for s in present_list),
+        by_slot=by_slot,
         modules=frozenset().union(*(slots.targets[s] for s in present_list)),
     )
 
@@ -141,11 +167,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, modul
     """``y`` (the base linear's output for ``x``, [n, out]) plus each row's adapter's B @ A @ x, in place."""
     if module not in step.modules:
         return y
-    r = step.rank
-    a = step.slots.a[layer][module][step.tile_slots, :, :r].flatten(1, 2)  # [tiles, slices * r, in]
-    b = step.slots.b[layer][module][step.tile_slots, :, :, :r].flatten(2, 3)  # [tiles, out, slices * r]
-    tiles = x.new_zeros(step.num_tiles, step.tile_size, x.shape[-1])
-    tiles[step.tile_of_row, step.row_in_tile] = x[step.rows]
-    shrunk = torch.bmm(tiles, a.transpose(1, 2))
-    expanded = torch.bmm(shrunk, b.transpose(1, 2))
-    return y.index_add_(0, step.rows, expanded[step.tile_of_row, step.row_in_tile])
+    a, b = step.slots.a[layer][module], step.slots.b[layer][module]
+    if step.by_slot:  # every slot's weights, as stored: no copy
+        a, b = a.flatten(2, 3), b.flatten(1, 2)
+    else:
+        r = step.rank
+        a = a[step.tile_slots, :, :, :r].flatten(2, 3)  # [tiles, in, slices * r]
+        b = b[step.tile_slots, :, :r].flatten(1, 2)  # [tiles, slices * r, out]
+    tiles = x.index_select(0, step.pad_source).view(step.num_tiles, step.tile_size, x.shape[-1])
+    shrunk = torch.bmm(tiles, a)
+    if step.padding is not None:  # padding places add exactly zero (to rows[0]): no gather of the products
+        shrunk.masked_fill_(step.padding, 0)
+    return y.index_add_(0, step.pad_source, torch.bmm(shrunk, b).view(-1, y.shape[-1]))

@@ -44,8 +44,8 @@ def loop_reference(
     for row, slot in enumerate(row_slots):
         if slot < 0:
             continue
-        a = slots.a[0][module][slot].flatten(0, 1).float()  # [slices * max_rank, in]
-        b = slots.b[0][module][slot].flatten(1, 2).float()  # [out, slices * max_rank]
+        a = slots.a[0][module][slot].flatten(1, 2).t().float()  # [slices * max_rank, in]
+        b = slots.b[0][module][slot].flatten(0, 1).t().float()  # [out, slices * max_rank]
         out[row] += b @ (a @ x[row].float())
     return out.to(y.dtype)
 
@@ -73,15 +73,26 @@ def test_torch_path_equals_row_by_row(module: str, num_rows: int) -> None:
 
 def test_tiles_hold_one_adapter_each_and_stay_few() -> None:
     slots = filled_slots(torch.float32, seed=1)
-    for seed in range(20):
+    layouts = set()
+    for seed in range(30):
         row_slots, step = step_for(1 + seed * 7, seed, slots)
         tile_slots, rows = step.tile_slots.tolist(), step.rows.tolist()
         for tile, (start, end) in enumerate(zip(step.tile_starts.tolist(), step.tile_ends.tolist(), strict=True)):
-            assert 0 < end - start <= step.tile_size
-            assert {row_slots[r] for r in rows[start:end]} == {tile_slots[tile]}
+            assert 0 <= end - start <= step.tile_size
+            assert {row_slots[r] for r in rows[start:end]} <= {tile_slots[tile]}
+            positions = step.row_position[start:end].tolist()
+            assert positions == list(range(tile * step.tile_size, tile * step.tile_size + end - start))
         assert sorted(rows) == [r for r, s in enumerate(row_slots) if s >= 0]
-        assert step.num_tiles <= 2 * len(set(tile_slots))
-        assert step.rank == max(RANKS[s] for s in set(tile_slots))
+        assert step.pad_source[step.row_position].tolist() == rows
+        present = {s for s in row_slots if s >= 0}
+        if step.by_slot:  # every slot in order, padded to the busiest: at most twice the rows
+            assert tile_slots == list(range(len(RANKS))) and step.rank == 16
+            assert step.num_tiles * step.tile_size <= 2 * len(rows)
+        else:
+            assert step.num_tiles <= 2 * len(present) and step.num_tiles * step.tile_size <= 2 * len(rows)
+            assert step.rank == max(RANKS[s] for s in present)
+        layouts.add(step.by_slot)
+    assert layouts == {True, False}
     assert lora_step([-1, -1], slots, torch.device(DEVICE)) is None
 
 
