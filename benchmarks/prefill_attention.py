@@ -7,6 +7,7 @@ Shapes as in benchmarks/prefill.py: short (8 fresh chunks of 450 tokens), cached
 cached ones), long (one fresh chunk of 2,000). Each round times one call of each path on the same inputs, the order
 alternating; printed: the medians and the median of the per-round ratios (SDPA time / kernel time). The kernel
 takes all of a step's chunks in one call, SDPA one call per chunk (as runtime/layers/attention.py runs them).
+Then the KV write: the C row copies against index_copy_ for 8, 450 and 2,048 rows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, write_kv  # noqa: E402
+from runtime.layers.attention import (  # noqa: E402
+    AttentionGroup,
+    AttentionMetadata,
+    paged_attention,
+    write_kv,
+    write_kv_torch,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = {"short": (8, 0, 450), "cached": (8, 900, 100), "long": (1, 0, 2000)}  # chunks, cached, new tokens
@@ -77,6 +84,27 @@ def main() -> None:
             return f"{statistics.median(v) * 1e3:.1f} [{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}]"
 
         print(f"| {name} | {cell(times[True])} | {cell(times[False])} | {statistics.median(ratios):.2f}x |")
+    kv_write_rows(args.rounds, dtype)
+
+
+def kv_write_rows(rounds: int, dtype: torch.dtype) -> None:
+    """The KV write: the C row copies (``write_kv``) against ``index_copy_`` (``write_kv_torch``), k and v as views
+    of a qkv output, slots scattered over a pool; medians of ``rounds`` x 10 calls each."""
+    print("| rows | C write_kv us | index_copy_ us | index_copy_ / C |\n|---|---|---|---|")
+    for rows in (8, 450, 2048):
+        qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+        _, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        k, v = k.view(rows, KV_HEADS, HEAD_DIM), v.view(rows, KV_HEADS, HEAD_DIM)
+        cache = torch.zeros(2, KV_HEADS, 1000, BLOCK, HEAD_DIM, dtype=dtype)
+        slots = torch.randperm(1000 * BLOCK)[:rows]
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(rounds * 10):
+            for kernel in (True, False) if r % 2 == 0 else (False, True):
+                t = time.perf_counter()
+                (write_kv if kernel else write_kv_torch)(cache, k, v, slots)
+                times[kernel].append(time.perf_counter() - t)
+        c, torch_ = statistics.median(times[True]), statistics.median(times[False])
+        print(f"| {rows} | {c * 1e6:.0f} | {torch_ * 1e6:.0f} | {torch_ / c:.1f}x |")
 
 
 if __name__ == "__main__":
