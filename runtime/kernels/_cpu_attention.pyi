@@ -2,6 +2,7 @@
 
 MAX_GROUP: int
 MAX_HEAD_DIM: int
+PREFILL_BEST_ISA: str  # the best instruction set prefill can use here: portable, avx512 or avx512_bf16
 
 def decode(
     out: int, q: int, k: int, v: int, tables: int, key_start: int, key_end: int,

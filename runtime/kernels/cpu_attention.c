@@ -843,7 +843,8 @@ PyMODINIT_FUNC PyInit__cpu_attention(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "MAX_GROUP", MAX_GROUP) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_HEAD_DIM", MAX_HEAD_DIM) < 0) {
+        PyModule_AddIntConstant(m, "MAX_HEAD_DIM", MAX_HEAD_DIM) < 0 ||
+        PyModule_AddStringConstant(m, "PREFILL_BEST_ISA", prefill_levels[prefill_best]) < 0) {
         Py_DECREF(m);
         return NULL;
     }

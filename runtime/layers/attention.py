@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover - depends on the install
 CPU_ATTENTION_ENV = "WARMSTART_CPU_ATTENTION"
 CPU_ATTENTION_CHOICES = ("kernel", "torch")
 CPU_PREFILL_ATTENTION_ENV = "WARMSTART_CPU_PREFILL_ATTENTION"
+# the CPU has the prefill kernel's AVX-512 code (its best instruction set, not the one a test lowered it to)
+_prefill_vectorized = _cpu_attention is not None and _cpu_attention.PREFILL_BEST_ISA != "portable"
 
 
 def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_head: int, head_dim: int) -> bool:
@@ -47,13 +49,13 @@ def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_
     )
 
 
-def prefill_kernel_chosen() -> bool:
-    """Whether prefill chunks go to the C kernel where the decode kernel serves the pool
-    (``WARMSTART_CPU_PREFILL_ATTENTION=torch`` keeps them on SDPA)."""
+def prefill_kernel_chosen(head_dim: int) -> bool:
+    """Whether prefill chunks go to the C kernel where the decode kernel serves the pool: where it has its
+    AVX-512 code (the portable loop measured 9x slower than SDPA), unless ``WARMSTART_CPU_PREFILL_ATTENTION=torch``."""
     choice = os.environ.get(CPU_PREFILL_ATTENTION_ENV) or "kernel"
     if choice not in CPU_ATTENTION_CHOICES:
         raise ValueError(f"{CPU_PREFILL_ATTENTION_ENV}={choice!r} is not one of {', '.join(CPU_ATTENTION_CHOICES)}")
-    return choice == "kernel"
+    return choice == "kernel" and _prefill_vectorized and head_dim % 16 == 0
 
 
 @dataclass
@@ -172,17 +174,20 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None,
     decode_kernel: bool = False,
+    prefill_kernel: bool | None = None,
 ) -> torch.Tensor:
     """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D].
 
     ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``), and prefill chunks on
-    its prefill kernel unless ``WARMSTART_CPU_PREFILL_ATTENTION=torch``."""
+    its prefill kernel where ``prefill_kernel_chosen``; ``prefill_kernel`` overrides that choice (tests)."""
     n, heads, head_dim = q.shape
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
     whole = len(meta.groups) == 1  # one group holding every row in order: no gather or scatter of rows
     by_kernel: list[AttentionGroup] = []
-    if decode_kernel and prefill_kernel_chosen():
+    if prefill_kernel is None:
+        prefill_kernel = decode_kernel and prefill_kernel_chosen(head_dim)
+    if prefill_kernel:
         by_kernel, tables, seqs = meta.prefill_args()
     out = q.new_empty(n, heads * head_dim) if not whole or by_kernel else None
     if by_kernel:

@@ -83,7 +83,8 @@ def make_case(
 
 def both_paths(case: Case, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     reference = paged_attention(case.q, case.k, case.v, case.cache, case.meta(), window, decode_kernel=False)
-    got = paged_attention(case.q, case.k, case.v, case.cache, case.meta(), window, decode_kernel=True)
+    got = paged_attention(case.q, case.k, case.v, case.cache, case.meta(), window, decode_kernel=True,
+                          prefill_kernel=True)  # fmt: skip
     return got, reference
 
 
@@ -134,7 +135,7 @@ def test_kernel_leaves_decode_groups_to_the_decode_path() -> None:
     meta = AttentionMetadata(slot_mapping=case.slots, groups=[case.groups[0], decode, shifted])
     want = paged_attention(q, k, v, case.cache, meta, None, decode_kernel=False)
     meta = AttentionMetadata(slot_mapping=case.slots, groups=[case.groups[0], decode, shifted])
-    got = paged_attention(q, k, v, case.cache, meta, None, decode_kernel=True)
+    got = paged_attention(q, k, v, case.cache, meta, None, decode_kernel=True, prefill_kernel=True)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -187,13 +188,18 @@ def test_kernel_refuses_what_does_not_fit() -> None:
         kernel.prefill_isa("avx1024")
 
 
-def test_prefill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert attention.prefill_kernel_chosen()
+def test_when_the_prefill_kernel_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only where its AVX-512 code runs (head_dim a multiple of 16 on an AVX-512 CPU): the portable loop is
+    slower than SDPA."""
+    assert attention._cpu_attention is not None
+    vectorized = attention._cpu_attention.PREFILL_BEST_ISA != "portable"
+    assert attention.prefill_kernel_chosen(64) == vectorized
+    assert not attention.prefill_kernel_chosen(40)
     monkeypatch.setenv("WARMSTART_CPU_PREFILL_ATTENTION", "torch")
-    assert not attention.prefill_kernel_chosen()
+    assert not attention.prefill_kernel_chosen(64)
     monkeypatch.setenv("WARMSTART_CPU_PREFILL_ATTENTION", "fast")
     with pytest.raises(ValueError, match="WARMSTART_CPU_PREFILL_ATTENTION='fast' is not one of kernel, torch"):
-        attention.prefill_kernel_chosen()
+        attention.prefill_kernel_chosen(64)
 
 
 def test_engine_prefills_on_the_kernel(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
