@@ -7,9 +7,13 @@
 One sequence, greedy, EOS ignored, a fresh random prompt each round. Figure: ms per generated token after the
 first, (finished - first token) / new tokens, so the prompt's prefill is not in it. Systems, in an order that
 rotates from round to round:
-- ``warmstart``: the default CPU path in bfloat16 (the gemv kernel for decode rows, runtime/kernels/cpu_gemv.c).
-- ``warmstart-torch``: the same engine on its reference path (what ``WARMSTART_CPU_GEMV=torch`` selects: oneDNN on
-  the prepacked weights), switched in place so both share one load.
+- ``warmstart``: the default CPU path in bfloat16: each decode layer in a few C calls (runtime/models/fused_decode.py)
+  over the gemv kernel (runtime/kernels/cpu_gemv.c).
+- ``warmstart-gemv``: the same engine with the layers on the ordinary ops, their decode linears on the gemv kernel
+  (what ``WARMSTART_CPU_FUSED_DECODE=torch`` selects).
+- ``warmstart-torch``: the same engine on its reference path (what ``WARMSTART_CPU_FUSED_DECODE=torch
+  WARMSTART_CPU_GEMV=torch`` select: the ordinary ops, oneDNN on the prepacked weights).
+  The three are switched in place, so they share one load.
 - ``llamacpp``: llama.cpp (llama-cpp-python 0.3.36) on the same model converted to a bf16 GGUF, through
   benchmarks/peers/run_llamacpp.py under /work/peers/llamacpp/.venv (or $WARMSTART_LLAMACPP_PYTHON), one
   subprocess per round (its load is not timed; its figure is (wall - time to first token) / new tokens of its
@@ -47,7 +51,7 @@ from runtime.quant.packed_linear import PackedWeight  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = ("WARMSTART_LLAMACPP_PYTHON", Path("/work/peers/llamacpp/.venv/bin/python"))
-SYSTEMS = ("warmstart", "warmstart-torch", "llamacpp")
+SYSTEMS = ("warmstart", "warmstart-gemv", "warmstart-torch", "llamacpp")
 
 
 def weight_bytes_per_token(weights: ModelWeights) -> int:
@@ -79,18 +83,20 @@ def _timed(f: Any) -> float:
 
 
 class Warmstart:
-    """One engine, timed on its default path or its reference path (``reference=True``)."""
+    """One engine, timed on its default path or with parts of it switched off (``set_path``)."""
 
     def __init__(self, model_dir: Path) -> None:
         self.llm = LLM.from_hf(model_dir, dtype="bfloat16")
         thread = self.llm.engine.prepack_thread
         if thread is not None:
             thread.join()
-        self.ops = self.llm.engine.runner.model.ops
-        self.default_gemv = bool(getattr(self.ops, "gemv_kernel", False))
+        self.model = self.llm.engine.runner.model
+        self.default_gemv = bool(getattr(self.model.ops, "gemv_kernel", False))
 
-    def set_reference(self, reference: bool) -> None:
-        self.ops.gemv_kernel = self.default_gemv and not reference  # type: ignore[attr-defined]
+    def set_path(self, system: str) -> None:
+        self.model.ops.gemv_kernel = self.default_gemv and system != "warmstart-torch"  # type: ignore[attr-defined]
+        if self.model.fused_decode is not None:
+            self.model.fused_decode.enabled = system == "warmstart"
 
     def decode_ms(self, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
         params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
@@ -126,9 +132,10 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
         systems.remove("llamacpp")
     ours = Warmstart(args.model_dir)
     nbytes = weight_bytes_per_token(ours.llm.engine.runner.model.weights)
-    ours.decode_ms([1, 2, 3], 8)  # warm-up, both paths
-    ours.set_reference(True)
-    ours.decode_ms([1, 2, 3], 8)
+    for name in systems:  # warm-up, every path
+        if name != "llamacpp":
+            ours.set_path(name)
+            ours.decode_ms([1, 2, 3], 8)
     rng = random.Random(0)
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
@@ -139,7 +146,7 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
                 assert python is not None
                 row[name] = llamacpp_decode_ms(python, args.model_dir, prompt, args.new_tokens)
             else:
-                ours.set_reference(name == "warmstart-torch")
+                ours.set_path(name)
                 row[name] = ours.decode_ms(prompt, args.new_tokens)[0]
         rounds.append(row)
         floor = nbytes / (row["bandwidth_gb_s"] * 1e9) * 1e3

@@ -14,8 +14,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -146,6 +148,148 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- A decode layer in two calls (runtime/layers/fused_decode.py): the rows of a decode step through
+ * [RMSNorm, qkv, rotary, KV write] and [o, residual add + RMSNorm, gate_up, SiLU-and-mul, down, residual add], each
+ * in one OpenMP parallel region, instead of about a dozen PyTorch ops. Each step rounds to bf16 where its PyTorch
+ * reference does (runtime/layers/norm.py, rotary.py, activation.py): only the matmuls' sums differ in order. */
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* Weight rows [begin, end) of n for thread t of nt, in whole blocks. */
+static inline void thread_range(int64_t n, int t, int nt, int64_t *begin, int64_t *end) {
+    const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
+    *begin = blocks * t / nt * ROW_BLOCK;
+    *end = blocks * (t + 1) / nt * ROW_BLOCK;
+    if (*end > n) *end = n;
+}
+
+/* out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps))), s one row of dim. */
+static void norm_row(uint16_t *out, const uint16_t *s, const uint16_t *w, int64_t dim, float eps) {
+    float sq = 0.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        const float v = bf16_to_f32(s[d]);
+        sq += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++)
+        out[d] = f32_to_bf16(bf16_to_f32(w[d]) * round_bf16(bf16_to_f32(s[d]) * inv));
+}
+
+/* x * cos + rotate_half(x) * sin for one head, each product and the sum rounded, into out. */
+static void rotate_head(uint16_t *out, const uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t d = 0; d < head_dim; d++) {
+        const float v = bf16_to_f32(x[d]);
+        const float other = d < half ? -bf16_to_f32(x[d + half]) : bf16_to_f32(x[d - half]);
+        out[d] = f32_to_bf16(round_bf16(v * bf16_to_f32(c[d])) + round_bf16(other * bf16_to_f32(s[d])));
+    }
+}
+
+static PyObject *decode_attention_in(PyObject *self, PyObject *args) {
+    unsigned long long x, norm_w, qkv_w, qkv_bias, cos_t, sin_t, positions, slots, k_cache, v_cache, q_out, h, qkv;
+    long long rows, hidden, heads, kv_heads, head_dim, head_stride;
+    float eps;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKKKKKLLLLLLfi", &x, &norm_w, &qkv_w, &qkv_bias, &cos_t, &sin_t, &positions,
+                          &slots, &k_cache, &v_cache, &q_out, &h, &qkv, &rows, &hidden, &heads, &kv_heads, &head_dim,
+                          &head_stride, &eps, &num_threads))
+        return NULL;
+    if (!cpu_has_avx512_bf16()) return PyErr_Format(PyExc_RuntimeError, "decode_attention_in: no AVX512-BF16");
+    if (rows < 1 || rows > MAX_ROWS || head_dim % 2)
+        return PyErr_Format(PyExc_ValueError, "decode_attention_in: rows %lld, head_dim %lld", rows, head_dim);
+    const int64_t n_qkv = (heads + 2 * kv_heads) * head_dim;
+    const int threads = threads_for(n_qkv, hidden, num_threads);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+        for (int64_t m = 0; m < rows; m++)
+            norm_row((uint16_t *)h + m * hidden, (const uint16_t *)x + m * hidden, (const uint16_t *)norm_w, hidden,
+                     eps);
+        int64_t begin, end;
+        thread_range(n_qkv, t, nt, &begin, &end);
+        gemv_range((uint16_t *)qkv, (const uint16_t *)h, hidden, (const uint16_t *)qkv_w,
+                   (const uint16_t *)qkv_bias, rows, n_qkv, hidden, begin, end);
+#pragma omp barrier
+        /* rotary into q_out, and k rotated / v as is into their slots of the pool */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < rows * (heads + 2 * kv_heads); j++) {
+            const int64_t m = j / (heads + 2 * kv_heads), head = j % (heads + 2 * kv_heads);
+            const int64_t pos = ((const int64_t *)positions)[m], slot = ((const int64_t *)slots)[m];
+            const uint16_t *src = (const uint16_t *)qkv + m * n_qkv + head * head_dim;
+            const uint16_t *c = (const uint16_t *)cos_t + pos * head_dim, *s = (const uint16_t *)sin_t + pos * head_dim;
+            if (head < heads) {
+                rotate_head((uint16_t *)q_out + (m * heads + head) * head_dim, src, c, s, head_dim);
+            } else if (head < heads + kv_heads) {
+                if (slot >= 0)
+                    rotate_head((uint16_t *)k_cache + (head - heads) * head_stride + slot * head_dim, src, c, s,
+                                head_dim);
+            } else if (slot >= 0) {
+                memcpy((uint16_t *)v_cache + (head - heads - kv_heads) * head_stride + slot * head_dim, src,
+                       (size_t)head_dim * 2);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *decode_mlp(PyObject *self, PyObject *args) {
+    unsigned long long attn, o_w, x, post_w, gate_up_w, down_w, x_out, o, h, gu, act;
+    long long rows, hidden, attn_width, inter;
+    float eps;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKKKLLLLfi", &attn, &o_w, &x, &post_w, &gate_up_w, &down_w, &x_out, &o, &h,
+                          &gu, &act, &rows, &hidden, &attn_width, &inter, &eps, &num_threads))
+        return NULL;
+    if (!cpu_has_avx512_bf16()) return PyErr_Format(PyExc_RuntimeError, "decode_mlp: no AVX512-BF16");
+    if (rows < 1 || rows > MAX_ROWS) return PyErr_Format(PyExc_ValueError, "decode_mlp: rows %lld", rows);
+    const int threads = threads_for(2 * inter, hidden, num_threads);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t begin, end;
+        thread_range(hidden, t, nt, &begin, &end);
+        gemv_range((uint16_t *)o, (const uint16_t *)attn, attn_width, (const uint16_t *)o_w, NULL, rows, hidden,
+                   attn_width, begin, end);
+#pragma omp barrier
+#pragma omp single
+        for (int64_t m = 0; m < rows; m++) { /* summed = bf16(x + o), h = norm(summed) */
+            uint16_t *summed = (uint16_t *)x_out + m * hidden;
+            for (int64_t d = 0; d < hidden; d++)
+                summed[d] = f32_to_bf16(bf16_to_f32(((const uint16_t *)x)[m * hidden + d]) +
+                                        bf16_to_f32(((const uint16_t *)o)[m * hidden + d]));
+            norm_row((uint16_t *)h + m * hidden, summed, (const uint16_t *)post_w, hidden, eps);
+        }
+        /* each thread its gate rows and the matching up rows, so SiLU-and-mul needs no barrier */
+        thread_range(inter, t, nt, &begin, &end);
+        gemv_range((uint16_t *)gu, (const uint16_t *)h, hidden, (const uint16_t *)gate_up_w, NULL, rows, 2 * inter,
+                   hidden, begin, end);
+        gemv_range((uint16_t *)gu, (const uint16_t *)h, hidden, (const uint16_t *)gate_up_w, NULL, rows, 2 * inter,
+                   hidden, inter + begin, inter + end);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t f = begin; f < end; f++) {
+                const float g = bf16_to_f32(((const uint16_t *)gu)[m * 2 * inter + f]);
+                const float u = bf16_to_f32(((const uint16_t *)gu)[m * 2 * inter + inter + f]);
+                ((uint16_t *)act)[m * inter + f] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+            }
+#pragma omp barrier
+        /* down, then the residual add for this thread's columns */
+        thread_range(hidden, t, nt, &begin, &end);
+        gemv_range((uint16_t *)o, (const uint16_t *)act, inter, (const uint16_t *)down_w, NULL, rows, hidden, inter,
+                   begin, end);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t d = begin; d < end; d++) {
+                uint16_t *xo = (uint16_t *)x_out + m * hidden + d;
+                *xo = f32_to_bf16(bf16_to_f32(*xo) + bf16_to_f32(((const uint16_t *)o)[m * hidden + d]));
+            }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *has_avx512_bf16(PyObject *self, PyObject *args) { return PyBool_FromLong(cpu_has_avx512_bf16()); }
 
 static PyMethodDef methods[] = {
@@ -153,6 +297,12 @@ static PyMethodDef methods[] = {
      "gemv(out, x, weight, bias, rows, n, k, x_stride, num_threads): out [rows, n] = x [rows, k] @ weight.T + bias, "
      "all bfloat16, weight [n, k] row-major; bias 0: none"},
     {"has_avx512_bf16", has_avx512_bf16, METH_NOARGS, "whether this CPU runs gemv"},
+    {"decode_attention_in", decode_attention_in, METH_VARARGS,
+     "decode_attention_in(x, norm_w, qkv_w, qkv_bias, cos, sin, positions, slots, k_cache, v_cache, q_out, h, qkv, "
+     "rows, hidden, heads, kv_heads, head_dim, head_stride, eps, num_threads)"},
+    {"decode_mlp", decode_mlp, METH_VARARGS,
+     "decode_mlp(attn, o_w, x, post_w, gate_up_w, down_w, x_out, o, h, gu, act, rows, hidden, attn_width, inter, "
+     "eps, num_threads)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,6 +18,7 @@ from runtime.layers.lora import LoraStep
 from runtime.layers.ops import select_ops
 from runtime.layers.rotary import RotaryTables
 from runtime.models.config import ModelConfig, rope_inv_freq
+from runtime.models.fused_decode import FusedDecode
 from runtime.models.weights import ModelWeights
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
@@ -41,6 +42,8 @@ class Model:
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
         self.sharded = reduce is not None or gather_logits is not None  # one rank's part of the model
+        # bf16 decode rows on the CPU: each layer in a few C calls (runtime/models/fused_decode.py), or None
+        self.fused_decode = FusedDecode.for_model(config, weights, self.rotary, self.sharded)
         # The LoRA add is an op of its own: layers/ops.py's Ops has none, so the kernels' TritonOps may offer one.
         self.add_lora: Callable[..., torch.Tensor] = getattr(self.ops, "add_lora", torch_lora.add_lora)
 
@@ -82,6 +85,12 @@ class Model:
         n = input_ids.shape[0]
         eps = c.rms_norm_eps
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
+        fused = self.fused_decode if lora is None and self.fused_decode and self.fused_decode.serves(n, meta) else None
+        if fused is not None:
+            positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()
+            for i in range(len(w.layers)):
+                x = fused.layer(i, x, positions, slots, kv_caches[i], meta, ops)
+            return self._logits(x, logits_index)
         rotary = ops.rotary_args(self.rotary, positions)
         for i, layer in enumerate(w.layers):
             h = ops.rms_norm(x, layer.input_norm, eps)
@@ -98,8 +107,11 @@ class Model:
             attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
             h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
             x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
-        h = ops.rms_norm(x[logits_index], w.norm, eps)
-        return self.gather_logits(ops.linear(h, w.lm_head).float())
+        return self._logits(x, logits_index)
+
+    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        h = self.ops.rms_norm(x[logits_index], self.weights.norm, self.config.rms_norm_eps)
+        return self.gather_logits(self.ops.linear(h, self.weights.lm_head).float())
 
 
 def _unsharded(partial: torch.Tensor) -> torch.Tensor:
