@@ -172,6 +172,8 @@ def load_with_report(
     if copier is not None:
         report.device_copy = copier.stats.as_dict()
     mark("ready")
+    if lora_pull is not None:
+        lora_pull.start()
     return LLM(engine), report
 
 

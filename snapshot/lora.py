@@ -16,8 +16,10 @@ sees an adapter whose blobs are not all there.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -138,9 +140,10 @@ def lora_blob_ids(manifest: Manifest) -> set[str]:
 
 
 class LoraPull:
-    """A cold start's LoRA blobs, pulled in a thread once the rest is in, so that adapters do not delay the first
-    request; the engine's page-in waits for them (``wait``). The manifest is cached when they are all in, keeping
-    the cache's rule that a cached manifest's blobs are all there."""
+    """A cold start's LoRA blobs, pulled in a thread once the engine is ready (``start``), at the lowest CPU
+    priority, so that adapters delay neither the start nor the first requests; the engine's page-in waits for them
+    (``wait``, which starts the pull if nothing has yet). The manifest is cached when they are all in, keeping the
+    cache's rule that a cached manifest's blobs are all there."""
 
     def __init__(self, store: Store, cache: BlobCache, snapshot_id: str, manifest_bytes: bytes,
                  sizes: dict[str, int]) -> None:
@@ -148,10 +151,17 @@ class LoraPull:
         self._error: BaseException | None = None
         self._args = store, cache, snapshot_id, manifest_bytes, sizes
         self._thread = threading.Thread(target=self._run, name="warmstart-lora-pull", daemon=True)
-        self._thread.start()
+        self._start_once = threading.Lock()
+
+    def start(self) -> None:
+        with self._start_once:
+            if self._thread.ident is None:
+                self._thread.start()
 
     def _run(self) -> None:
         store, cache, snapshot_id, manifest_bytes, sizes = self._args
+        with suppress(OSError, AttributeError):  # Linux: a thread's own nice value; elsewhere it runs as is
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             pull_blobs(store, cache, sizes, snapshot=snapshot_id, verify_cached=False)
             cache.add_manifest(snapshot_id, manifest_bytes)
@@ -161,6 +171,7 @@ class LoraPull:
             self._done.set()
 
     def wait(self) -> None:
+        self.start()
         self._done.wait()
         if self._error is not None:
             raise LoraError(f"the snapshot's LoRA adapters could not be pulled: {self._error}")
