@@ -453,6 +453,17 @@ AVX512BF16 static inline uint32_t load_u32(const uint16_t *p) {
     return x;
 }
 
+/* f32_to_bf16 (bf16.h) on 16 lanes: round to nearest even, NaN stays NaN. */
+AVX512BF16 static inline __m256i f32_to_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* Q^T of the tile's ``rows`` rows (the rest of the RP lanes zero). */
 AVX512BF16 static inline void pf_pack_queries(const PrefillArgs *a, int64_t s, int64_t h, int64_t t0, int64_t rows,
                                               int64_t rp, int dots, Scratch *sc) {
@@ -636,10 +647,19 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
     }
     float sums[PF_ROWS];
     for (int g = 0; g < RG; g++) _mm512_storeu_ps(sums + 16 * g, sum_v[g]);
+    /* O^T back to rows: a row's 16 dims at a time gathered from O^T's columns */
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)rp));
     for (int64_t r = 0; r < rows; r++) {
         const int64_t off = (seq[0] + t0 + r / group) * a->out_stride + (h * group + r % group) * d_len;
-        const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
-        for (int64_t d = 0; d < d_len; d++) pf_store(a, off + d, sc->ot[d * rp + r] * inv);
+        const __m512 inv = _mm512_set1_ps(sums[r] > 0.f ? 1.f / sums[r] : 0.f);
+        for (int64_t d = 0; d < d_len; d += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, sc->ot + d * rp + r, 4), inv);
+            if (a->bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + off + d), f32_to_bf16_16(x));
+            else
+                _mm512_storeu_ps((float *)a->out + off + d, x);
+        }
     }
 }
 

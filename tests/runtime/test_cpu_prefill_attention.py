@@ -121,6 +121,18 @@ def test_kernel_sliding_window_matches(isa: str, window: int, dtype: torch.dtype
     assert_matches(got, want)
 
 
+def test_bf16_output_rounds_as_torch(isa: str) -> None:
+    """Without bf16 dot products a bf16 pool is computed exactly as its float32 copy would be, so the kernel's bf16
+    output must be that float32 output rounded as torch rounds it (to nearest even), bit for bit."""
+    if isa == "avx512_bf16":
+        pytest.skip("bf16 dot products round the probabilities: not the float32 computation")
+    case = make_case(9, 3, 64, 16, [(0, 40), (21, 30)], torch.bfloat16, seed=7)
+    wide = Case(case.q.float(), case.k.float(), case.v.float(), case.cache.float(), case.groups, case.slots)
+    got, _ = both_paths(case, None)
+    as_float, _ = both_paths(wide, None)
+    assert torch.equal(got, as_float.to(torch.bfloat16))
+
+
 def test_kernel_leaves_decode_groups_to_the_decode_path() -> None:
     """A step with decode rows between prefill chunks: each row gets its own path's answer."""
     case = make_case(9, 3, 64, 16, [(0, 30), (20, 9)], torch.float32, seed=2)
