@@ -366,8 +366,7 @@ class LoraManager:
         weights.check_fits(self.config)
         if weights.rank > entry.rank:
             raise ValueError(f"LoRA adapter {entry.name!r} loaded with rank {weights.rank}, registered as {entry.rank}")
-        out_slices = {m: slice_sizes(self.config, m)[1] for m in FUSED_MODULES}
-        self.slots.fill(slot, weights.rank, weights.layers, out_slices)
+        self.slots.fill(slot, weights.rank, weights.layers)
         self.stats.loads += 1
         self.stats.load_seconds += time.perf_counter() - start
 

@@ -3,14 +3,16 @@
 
 The resident adapters are stacked in ``max_loras`` slots per fused linear (``LoraSlots``), their ranks padded to
 ``max_rank``, transposed for the matmuls (bfloat16 bmm on the CPU is many times slower with a transposed operand):
-Aᵀ [slots, in, slices, max_rank], Bᵀ [slots, slices, max_rank, out] with B block diagonal (output columns of
-slice s read only slice s's rank rows; see runtime/engine/lora.py for the adapters' own layout). A step
+Aᵀ [slots, in, slices, max_rank] and Bᵀ [slots, max_rank, out], whose output columns of slice s (q, k, v or
+gate, up) multiply slice s's rank rows of the shrunk product (see runtime/engine/lora.py for the adapters' own
+layout; no block-diagonal zeros, which would be a third more bytes read per decode step). A step
 gives each row of its flat batch a slot or none (``LoraStep``, computed once and used by every layer): the rows
 with an adapter are sorted by slot and cut into tiles of ``tile_size`` rows, each tile one adapter's, the last
 tile of each adapter padded. Every linear then costs two batched matmuls over all tiles at once, whatever the
 number of adapters or requests (Punica's SGMV shrink and expand, in PyTorch): shrink x [tiles, T, in] @
-A[tile's slot]ᵀ, expand @ B[tile's slot]ᵀ, added to the base output's rows. With T = ceil(rows / adapters),
-there are at most twice as many tiles as adapters in the step and at most twice as many padded rows as rows.
+A[tile's slot]ᵀ, expand each slice's part @ its columns of B[tile's slot]ᵀ, added to the base output's rows.
+With T = ceil(rows / adapters), there are at most twice as many tiles as adapters in the step and at most
+twice as many padded rows as rows; one tile per slot (``LoraStep.by_slot``) when that pads little.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ class LoraSlots:
     """The resident adapters' weights on the model's device, one slot each."""
 
     a: list[dict[str, torch.Tensor]]  # per layer: module -> Aᵀ [slots, in, slices, max_rank]
-    b: list[dict[str, torch.Tensor]]  # per layer: module -> Bᵀ [slots, slices, max_rank, out]
+    b: list[dict[str, torch.Tensor]]  # per layer: module -> Bᵀ [slots, max_rank, out]
     ranks: list[int]  # per slot: its adapter's rank, 0 when empty
     targets: list[frozenset[str]]  # per slot: the fused modules its adapter adapts
+    out_slices: dict[str, list[int]]  # module -> out_features of each slice
 
     @classmethod
     def empty(
@@ -44,18 +47,17 @@ class LoraSlots:
 
         def b(module: str) -> torch.Tensor:
             _, outs = shapes[module]
-            return torch.zeros(max_loras, len(outs), max_rank, sum(outs), dtype=dtype, device=device)
+            return torch.zeros(max_loras, max_rank, sum(outs), dtype=dtype, device=device)
 
         return cls([{m: a(m) for m in MODULES} for _ in range(num_layers)],
                    [{m: b(m) for m in MODULES} for _ in range(num_layers)],
-                   [0] * max_loras, [frozenset()] * max_loras)
+                   [0] * max_loras, [frozenset()] * max_loras, {m: list(shapes[m][1]) for m in MODULES})
 
     @property
     def max_rank(self) -> int:
         return self.a[0]["qkv"].shape[3]
 
-    def fill(self, slot: int, rank: int, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
-             out_slices: dict[str, list[int]]) -> None:
+    def fill(self, slot: int, rank: int, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Put one adapter (per layer: module -> (A [slices * rank, in], B [out, rank])) into ``slot``."""
         if rank > self.max_rank:
             raise ValueError(f"an adapter of rank {rank} does not fit slots of rank {self.max_rank}")
@@ -69,12 +71,9 @@ class LoraSlots:
                     continue
                 targets.add(module)
                 a, b = modules[module]
-                slices = len(out_slices[module])
+                slices = len(self.out_slices[module])
                 a_slot[:, :, :rank].copy_(a.view(slices, rank, -1).permute(2, 0, 1))
-                row = 0
-                for s, out in enumerate(out_slices[module]):
-                    b_slot[s, :rank, row : row + out].copy_(b[row : row + out].t())
-                    row += out
+                b_slot[:rank].copy_(b.t())
         self.ranks[slot] = rank
         self.targets[slot] = frozenset(targets)
 
@@ -168,14 +167,19 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, modul
     if module not in step.modules:
         return y
     a, b = step.slots.a[layer][module], step.slots.b[layer][module]
+    r = step.rank
     if step.by_slot:  # every slot's weights, as stored: no copy
-        a, b = a.flatten(2, 3), b.flatten(1, 2)
+        a = a.flatten(2, 3)
     else:
-        r = step.rank
         a = a[step.tile_slots, :, :, :r].flatten(2, 3)  # [tiles, in, slices * r]
-        b = b[step.tile_slots, :, :r].flatten(1, 2)  # [tiles, slices * r, out]
+        b = b[step.tile_slots, :r]  # [tiles, r, out]
     tiles = x.index_select(0, step.pad_source).view(step.num_tiles, step.tile_size, x.shape[-1])
     shrunk = torch.bmm(tiles, a)
     if step.padding is not None:  # padding places add exactly zero (to rows[0]): no gather of the products
         shrunk.masked_fill_(step.padding, 0)
-    return y.index_add_(0, step.pad_source, torch.bmm(shrunk, b).view(-1, y.shape[-1]))
+    parts, column = [], 0
+    for s, out in enumerate(step.slots.out_slices[module]):  # the slices (1 to 3), not the requests
+        parts.append(torch.bmm(shrunk[..., s * r : (s + 1) * r], b[..., column : column + out]))
+        column += out
+    expanded = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y.index_add_(0, step.pad_source, expanded.view(-1, y.shape[-1]))

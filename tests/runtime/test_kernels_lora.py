@@ -32,21 +32,24 @@ def filled_slots(dtype: torch.dtype, seed: int) -> LoraSlots:
             a = randn(len(outs) * rank, fan_in, dtype=dtype, seed=seed + 10 * slot + i)
             b = randn(sum(outs), rank, dtype=dtype, seed=seed + 100 + 10 * slot + i) * 0.1
             modules[module] = (a, b)
-        slots.fill(slot, rank, [modules], {m: outs for m, (_, outs) in SHAPES.items()})
+        slots.fill(slot, rank, [modules])
     return slots
 
 
 def loop_reference(
     y: torch.Tensor, x: torch.Tensor, slots: LoraSlots, row_slots: list[int], module: str
 ) -> torch.Tensor:
-    """Row by row, in float32: y + x @ A[slot]ᵀ @ B[slot]ᵀ from the slot's stacked weights."""
+    """Row by row, in float32: y + x @ A[slot]ᵀ @ B[slot]ᵀ from the slot's stacked weights, slice by slice."""
     out = y.float().clone()
     for row, slot in enumerate(row_slots):
         if slot < 0:
             continue
-        a = slots.a[0][module][slot].flatten(1, 2).t().float()  # [slices * max_rank, in]
-        b = slots.b[0][module][slot].flatten(0, 1).t().float()  # [out, slices * max_rank]
-        out[row] += b @ (a @ x[row].float())
+        a = slots.a[0][module][slot].float()  # [in, slices, max_rank]
+        b = slots.b[0][module][slot].float()  # [max_rank, out]
+        column = 0
+        for s, width in enumerate(SHAPES[module][1]):
+            out[row, column : column + width] += (x[row].float() @ a[:, s]) @ b[:, column : column + width]
+            column += width
     return out.to(y.dtype)
 
 
