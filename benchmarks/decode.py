@@ -4,8 +4,10 @@
         [--prompt-tokens 64] [--new-tokens 128] [--model-dir DIR] [--json OUT]
     OMP_NUM_THREADS=2 python benchmarks/decode.py --kernel-rows   # gemv kernel against oneDNN, rows 1..8
 
-One sequence, greedy, EOS ignored, a fresh random prompt each round. Figure: ms per generated token after the
-first, (finished - first token) / new tokens, so the prompt's prefill is not in it. Systems, in an order that
+One sequence, greedy, EOS ignored, a fresh random prompt each round. Each generated token after the first is
+timed (from the previous token to it; the prompt's prefill is not in it); a round's figure is the median of its
+tokens (the mean is printed beside it: on a shared machine a descheduled thread makes a few tokens 10-100x slow),
+and the summary takes the median over rounds. Systems, in an order that
 rotates from round to round:
 - ``warmstart``: the default CPU path in bfloat16: each decode layer in a few C calls (runtime/models/fused_decode.py)
   over the gemv kernel (runtime/kernels/cpu_gemv.c).
@@ -14,10 +16,9 @@ rotates from round to round:
 - ``warmstart-torch``: the same engine on its reference path (what ``WARMSTART_CPU_FUSED_DECODE=torch
   WARMSTART_CPU_GEMV=torch`` select: the ordinary ops, oneDNN on the prepacked weights).
   The three are switched in place, so they share one load.
-- ``llamacpp``: llama.cpp (llama-cpp-python 0.3.36) on the same model converted to a bf16 GGUF, through
-  benchmarks/peers/run_llamacpp.py under /work/peers/llamacpp/.venv (or $WARMSTART_LLAMACPP_PYTHON), one
-  subprocess per round (its load is not timed; its figure is (wall - time to first token) / new tokens of its
-  own loop); skipped with a message when absent.
+- ``llamacpp``: llama.cpp (llama-cpp-python 0.3.36) on the same model converted to a bf16 GGUF (run_llamacpp.py's
+  conversion cache), benchmarks/peers/decode_llamacpp.py under /work/peers/llamacpp/.venv (or
+  $WARMSTART_LLAMACPP_PYTHON), one subprocess per round (its load is not timed); skipped when absent.
 Each round also measures the memory read bandwidth (a bf16 sum over 256 MiB on the same threads) and states each
 system's ms/token as a fraction of the floor: the bytes of weights one token reads (every layer's matrices and the
 LM head) / that bandwidth. Medians over rounds, and the median of the per-round ratios to ``warmstart``.
@@ -98,12 +99,18 @@ class Warmstart:
         if self.model.fused_decode is not None:
             self.model.fused_decode.enabled = system == "warmstart"
 
-    def decode_ms(self, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
-        params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
-        (out,) = self.llm.generate([prompt], params)
-        t = out.timestamps
-        assert t is not None and t.first_token is not None and t.finished is not None
-        return (t.finished - t.first_token) / new_tokens * 1e3, out.token_ids
+    def token_ms(self, prompt: list[int], new_tokens: int) -> list[float]:
+        """Each generated token after the first: ms from the previous token to it (engine steps, as served)."""
+        engine = self.llm.engine
+        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True))
+        times: list[float] = []
+        produced = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if len(out.token_ids) > produced:
+                    produced = len(out.token_ids)
+                    times.append(time.perf_counter())
+        return [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
 
 
 def llamacpp_python() -> Path | None:
@@ -111,17 +118,15 @@ def llamacpp_python() -> Path | None:
     return path if path.is_file() else None
 
 
-def llamacpp_decode_ms(python: Path, model_dir: Path, prompt: list[int], new_tokens: int) -> float:
+def llamacpp_token_ms(python: Path, model_dir: Path, prompt: list[int], new_tokens: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
-        requests, result = Path(tmp) / "requests.json", Path(tmp) / "result.json"
-        requests.write_text(json.dumps([{"prompt_token_ids": prompt, "max_tokens": new_tokens + 1, "arrival_s": 0}]))
+        result = Path(tmp) / "result.json"
         subprocess.run(
-            [str(python), str(REPO / "benchmarks/peers/run_llamacpp.py"), "--model-dir", str(model_dir),
-             "--requests", str(requests), "--out", str(result), "--max-num-seqs", "1", "--arrival", "burst"],
+            [str(python), str(REPO / "benchmarks/peers/decode_llamacpp.py"), "--model-dir", str(model_dir),
+             "--prompt", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens), "--out", str(result)],
             check=True, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        r = json.loads(result.read_text())
-    return float(r["wall_s"] - r["ttft_s"][0]) / new_tokens * 1e3
+        return list(json.loads(result.read_text())["token_ms"])
 
 
 def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +140,7 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     for name in systems:  # warm-up, every path
         if name != "llamacpp":
             ours.set_path(name)
-            ours.decode_ms([1, 2, 3], 8)
+            ours.token_ms([1, 2, 3], 8)
     rng = random.Random(0)
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
@@ -144,14 +149,16 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
         for name in systems[r % len(systems):] + systems[: r % len(systems)]:
             if name == "llamacpp":
                 assert python is not None
-                row[name] = llamacpp_decode_ms(python, args.model_dir, prompt, args.new_tokens)
+                token_ms = llamacpp_token_ms(python, args.model_dir, prompt, args.new_tokens)
             else:
                 ours.set_path(name)
-                row[name] = ours.decode_ms(prompt, args.new_tokens)[0]
+                token_ms = ours.token_ms(prompt, args.new_tokens)
+            row[name] = statistics.median(token_ms)
+            row[name + " mean"] = statistics.fmean(token_ms)
         rounds.append(row)
         floor = nbytes / (row["bandwidth_gb_s"] * 1e9) * 1e3
         print(f"round {r} ({os.getloadavg()[0]:.2f} load): " + ", ".join(
-            f"{s} {row[s]:.2f} ms/token ({floor / row[s]:.0%} of floor)" for s in systems
+            f"{s} {row[s]:.2f} ms/token (mean {row[s + ' mean']:.2f}; {floor / row[s]:.0%} of floor)" for s in systems
         ) + f"; bandwidth {row['bandwidth_gb_s']:.1f} GB/s, floor {floor:.2f} ms", flush=True)  # fmt: skip
     return summarize(systems, rounds, nbytes)
 
@@ -164,10 +171,12 @@ def summarize(systems: list[str], rounds: list[dict[str, float]], nbytes: int) -
     print(f"\nweights per token {nbytes / 1e6:.0f} MB; bandwidth (median) {bandwidth:.1f} GB/s; floor {floor:.2f} ms")
     for s in systems:
         ms = statistics.median(r[s] for r in rounds)
+        mean = statistics.median(r[s + " mean"] for r in rounds)
         ratios = [r[s] / r["warmstart"] for r in rounds] if "warmstart" in systems else []
-        summary["systems"][s] = {"ms_per_token": ms, "fraction_of_floor": floor / ms, "per_round_ratio": ratios}
+        summary["systems"][s] = {"ms_per_token": ms, "mean_ms_per_token": mean, "fraction_of_floor": floor / ms,
+                                 "per_round_ratio": ratios}
         vs = f"; ms/token vs warmstart per round {', '.join(f'{x:.2f}' for x in ratios)}" if s != "warmstart" else ""
-        print(f"{s}: median {ms:.2f} ms/token, {floor / ms:.0%} of the bandwidth floor{vs}"
+        print(f"{s}: {ms:.2f} ms/token (mean {mean:.2f}), {floor / ms:.0%} of the bandwidth floor{vs}"
               + (f" (median {statistics.median(ratios):.2f}x)" if ratios and s != "warmstart" else ""))
     return summary
 
