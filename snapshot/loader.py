@@ -157,12 +157,12 @@ def load_with_report(
         report.blobs_total = len(manifest.blob_ids(rank))
         _carry_kernels_in(blob_cache)
         lora_pull = None
-        if the_store is not None and lora_blob_ids(manifest):  # left out of the pull above, brought in meanwhile
+        if the_store is not None and lora_blob_ids(manifest):  # left out of the pull above: pulled when first needed
             sizes = manifest.blob_sizes(rank)
             lora_pull = LoraPull(the_store, blob_cache, manifest.id, raw,
                                  {b: sizes[b] for b in lora_blob_ids(manifest)})
         engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group, copier,
-                                      lora_pull.wait if lora_pull is not None else lambda: None)
+                                      lora_pull.fetch if lora_pull is not None else lambda _: None)
     finally:
         if copier is not None:
             copier.stop()
@@ -172,8 +172,6 @@ def load_with_report(
     if copier is not None:
         report.device_copy = copier.stats.as_dict()
     mark("ready")
-    if lora_pull is not None:
-        lora_pull.start()
     return LLM(engine), report
 
 
@@ -185,11 +183,12 @@ def engine_from_manifest(
     prefixes_out: list[dict[str, Any]] | None = None,
     group: TensorParallelGroup | None = None,
     copier: BlobCopier | None = None,
-    loras_pulled: Callable[[], None] = lambda: None,
+    pull_lora: Callable[[str], None] = lambda _: None,
 ) -> LLMEngine:
     """``copier``: the weight blobs' copy to the device, under way (see load_with_report); the engine's weights
-    are views over its copies, and the engine runs where they are. ``loras_pulled``: returns once the LoRA
-    adapters' blobs are in the cache (a cold start pulls them last, see snapshot.lora.LoraPull)."""
+    are views over its copies, and the engine runs where they are. ``pull_lora(blob)``: brings a LoRA adapter's blob
+    into the cache when the engine first pages it in (a cold start leaves them in the store, see
+    snapshot.lora.LoraPull)."""
     sid = manifest.id
     _check_ranks(manifest, group)
     m = rank_view(manifest.data, 0 if group is None else group.rank)
@@ -239,7 +238,7 @@ def engine_from_manifest(
     for a in m.get("adapters", []):
         engine.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
     for lora in m.get("loras", []):  # paged in by the engine when a request first needs one (snapshot/lora.py)
-        engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]], loras_pulled),
+        engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]], pull_lora),
                         int(lora["rank"]))
     selector = m.get("adapter_selector")
     if selector is not None:

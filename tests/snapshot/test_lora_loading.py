@@ -49,11 +49,12 @@ class HeldStore(LocalStore):
         return super().stream_range(blob, start, end)
 
 
-def test_a_cold_start_is_ready_before_its_lora_blobs_arrive(model_dir: Path, loras: dict[str, Path],  # noqa: F811
-                                                            tmp_path: Path) -> None:
+def test_a_cold_start_leaves_lora_blobs_in_the_store_until_an_adapter_is_paged_in(
+        model_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
     built = build_snapshot(model_dir, BuildOptions(dtype="float32", loras=specs(loras, "sql", "chat")),
                            BlobCache(tmp_path / "build-cache"))
-    store = HeldStore(tmp_path / "store", {e["blob"] for e in built.manifest.data["loras"]})
+    blobs = {e["name"]: e["blob"] for e in built.manifest.data["loras"]}
+    store = HeldStore(tmp_path / "store", set(blobs.values()))
     push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
     cache = BlobCache(tmp_path / "serve-cache")
     loaded: list[LLM] = []
@@ -63,12 +64,16 @@ def test_a_cold_start_is_ready_before_its_lora_blobs_arrive(model_dir: Path, lor
     loading.join(timeout=60)
     try:
         assert loaded, "the load waited for the LoRA blobs"
-        assert cache.get_manifest(built.id) is None  # cached only once every blob is in
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         assert len(loaded[0].generate([[5, 6, 7]], params)[0].token_ids) == 3  # the base serves meanwhile
+        assert not any(cache.has(b) for b in blobs.values())
     finally:
         store.release.set()
-    out = loaded[0].generate([[5, 17, 99, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                             adapter="sql")[0]
+    llm = loaded[0]
+    out = llm.generate([[5, 17, 99, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       adapter="sql")[0]
     assert_matches_peft(model_dir, loras["sql"], [5, 17, 99, 4], out.token_ids)
+    assert cache.has(blobs["sql"]) and not cache.has(blobs["chat"])  # only the adapter asked for
+    assert cache.get_manifest(built.id) is None  # cached once every blob is in
+    llm.generate([[5, 6]], SamplingParams(max_tokens=1), adapter="chat")
     assert cache.get_manifest(built.id) is not None
