@@ -18,7 +18,7 @@ from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from runtime.engine.device import cuda_memory, resolve_device
 from runtime.engine.kv_tier import KVTier
-from runtime.engine.lora import LoraManager, LoraStats, LoraWeights
+from runtime.engine.lora import LoraLoadError, LoraManager, LoraStats, LoraWeights
 from runtime.engine.model_runner import ModelRunner, StepInputs
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import Sequence, Status, Timestamps, TokenLogprobs
@@ -140,6 +140,7 @@ class LLMEngine:
         self.adapter_selector: AdapterSelector | None = None
         self.loras = LoraManager(c, options.max_loras, options.max_lora_rank, model.dtype, self.runner.device)
         self.runner.loras = self.loras
+        self.lora_load_failed: list[Sequence] = []  # waiting sequences whose adapter failed to load: aborted next
         self.tier_link: TierLink | None = None
 
     @classmethod
@@ -374,7 +375,20 @@ class LLMEngine:
             return False
         if seq.lora is None:
             return True
-        return self.loras.acquire(seq.lora, {s.lora for s in running if s.lora is not None})
+        try:
+            return self.loras.acquire(seq.lora, {s.lora for s in running if s.lora is not None})
+        except LoraLoadError:  # not the engine's failure: the request ends (see _abort_failed_loads)
+            self.lora_load_failed.append(seq)
+            return False
+
+    def _abort_failed_loads(self) -> list[RequestOutput]:
+        """End the requests whose adapter failed to load at admission (engine.loras.stats says why)."""
+        outputs = []
+        for seq in self.lora_load_failed:
+            if seq.request_id in self.requests and not seq.is_finished:
+                outputs.append(self.abort(seq.choice_of or seq.request_id))
+        self.lora_load_failed = []
+        return [out for out in outputs if out is not None]
 
     def set_adapter_selector(self, selector: AdapterSelector) -> None:
         """Let requests name adapter "auto": the selector picks one of the loaded adapters for their tokens."""
@@ -534,8 +548,13 @@ class LLMEngine:
         if self.tier_link is not None:
             self.tier_link.poll(wait_s=0.0 if self.scheduler.running else TIER_IDLE_WAIT_S)
         batch = self.scheduler.schedule()
+        if self.lora_load_failed:
+            return self._abort_failed_loads() + (self._step_batch(batch) if batch.seqs else [])
         if not batch.seqs:
             return []
+        return self._step_batch(batch)
+
+    def _step_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         if self.proposer is not None:
             self._propose(batch)
         results = self.runner.run(batch)

@@ -285,6 +285,12 @@ class LoraStats:
     misses: int = 0
     loads: int = 0
     load_seconds: float = 0.0
+    load_errors: int = 0  # page-ins whose load() raised: the requests waiting for that adapter were aborted
+    last_load_error: str | None = None
+
+
+class LoraLoadError(Exception):
+    """An adapter's load() failed when a request needed it (a blob gone or corrupt): that request is aborted."""
 
 
 @dataclass
@@ -353,7 +359,12 @@ class LoraManager:
             if victim is None:
                 return False
             slot = self.resident.pop(victim)
-        self._page_in(self.registered[name], slot)
+        try:
+            self._page_in(self.registered[name], slot)
+        except Exception as e:  # whatever the caller's loader raises; the slot stays free
+            self.stats.load_errors += 1
+            self.stats.last_load_error = f"LoRA adapter {name!r} could not be loaded: {e}"
+            raise LoraLoadError(self.stats.last_load_error) from e
         self.resident[name] = slot
         self.stats.misses += 1
         return True

@@ -195,3 +195,23 @@ def test_bad_lora_calls_are_refused_clearly(tiny_model_dir, loras_of) -> None:
     assert engine.list_loras() == []
     with pytest.raises(ValueError, match="max_loras must be >= 1"):
         EngineOptions(max_loras=0).validate()
+
+
+def test_an_adapter_that_fails_to_load_aborts_its_requests_not_the_engine(tiny_model_dir, loras_of) -> None:
+    model_dir, loras = tiny_model_dir("llama"), loras_of("llama")
+    llm, _ = serve(model_dir, {"qv4": loras["qv4"]})
+
+    def broken() -> LoraWeights:
+        raise OSError("blob sha256 mismatch")
+
+    llm.engine.add_lora("broken", broken, 4)
+    prompts = random_prompts("llama", 3, seed=6)
+    adapters: list[str | None] = ["broken", None, "qv4"]
+    outs = llm.generate(prompts, GREEDY, adapter=adapters)
+    assert outs[0].finish_reason == "abort" and outs[0].token_ids == []
+    for out, prompt, adapter in zip(outs[1:], prompts[1:], adapters[1:], strict=True):
+        assert out.finish_reason == "length"
+        check(model_dir, loras, prompt, adapter, out.token_ids)
+    stats = llm.engine.lora_stats()
+    assert stats.load_errors == 1 and "blob sha256 mismatch" in (stats.last_load_error or "")
+    assert llm.engine.blocks.num_used_blocks == 0
