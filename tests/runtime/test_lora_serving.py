@@ -215,3 +215,20 @@ def test_an_adapter_that_fails_to_load_aborts_its_requests_not_the_engine(tiny_m
     stats = llm.engine.lora_stats()
     assert stats.load_errors == 1 and "blob sha256 mismatch" in (stats.last_load_error or "")
     assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_speculative_verification_keeps_each_rows_adapter(tiny_model_dir, loras_of) -> None:
+    """Prompt lookup proposes once a greedy output repeats itself (random tiny models fall into loops); the
+    verified rows carry their sequence's adapter."""
+    model_dir, loras = tiny_model_dir("qwen2"), loras_of("qwen2")
+    llm, _ = serve(model_dir, loras, speculative="ngram", num_speculative_tokens=3)
+    prompts = random_prompts("qwen2", 8, seed=7)
+    adapters: list[str | None] = [[*LORAS, None][i % 5] for i in range(8)]
+    long = SamplingParams(max_tokens=3 * MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, long, adapter=adapters)
+    assert llm.engine.spec.num_accepted_tokens > 0
+    for out, prompt, adapter in zip(outs, prompts, adapters, strict=True):
+        if adapter is None:
+            assert_matches_reference(model_dir, prompt, out.token_ids, 3 * MAX_TOKENS)
+        else:
+            assert_matches_peft(model_dir, loras[adapter], prompt, out.token_ids)
