@@ -18,8 +18,12 @@ The engine's API (runtime/engine/engine.py, LLMEngine):
 - ``EngineOptions.max_loras`` adapters are resident at once (stacked in device slots); one beyond that is
   paged in at admission over the least recently used one that no running request uses; a request whose
   adapter cannot get a slot yet waits (others behind it go on).
-- ``engine.loras.stats`` (LoraStats): load seconds (sum and count), hits (already resident at admission)
-  and misses (paged in), for /metrics.
+- ``lora_stats()`` (LoraStats): load seconds (sum and count), hits (already resident at admission) and misses
+  (paged in), for /metrics; load errors: a ``load()`` that raises aborts the requests waiting for that adapter
+  (finish_reason "abort", ``last_load_error`` says why), never the step loop.
+- Prefix caching: a LoRA request's block hashes chain from its adapter's own root (fresh per ``add_lora``), so
+  cached KV is never shared across adapters or with the base. Decode batches carrying LoRA run without CUDA
+  graphs and without the fused CPU decode layer; tensor parallelism is refused.
 """
 
 from __future__ import annotations
