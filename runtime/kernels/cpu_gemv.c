@@ -8,6 +8,8 @@
  * F.linear's), and the result is rounded once to bfloat16 (round to nearest even, bf16.h) after the bias is added,
  * as F.linear does. Output rows are spread over OpenMP threads (torch's libgomp, as cpu_attention.c).
  *
+ * decode_attention_in and decode_mlp (below) run a decode layer's two halves around attention on the same tiles.
+ *
  * Only CPUs with AVX512-BF16 run it (``has_avx512_bf16``, checked at run time); runtime/kernels/cpu_gemv.py falls
  * back to the PyTorch path elsewhere. K need not be a multiple of 32 (masked loads), N is any.
  */

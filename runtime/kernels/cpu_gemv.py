@@ -23,7 +23,8 @@ GEMV_ENV = "WARMSTART_CPU_GEMV"
 GEMV_CHOICES = ("kernel", "torch")
 KERNEL_MAX_ROWS = _ext.MAX_ROWS if _ext is not None else 0  # the most rows of x the kernel takes per call
 # The most rows the CPU ops send it (``fits``); beyond, oneDNN's blocked matmul on the prepacked weight, which reuses
-# each weight from cache, measured faster (benchmarks/decode.py's --rows).
+# each weight from cache. Chosen on measurements of a loaded machine (4 rows: 0.7-1.1x oneDNN, 1-2 rows: 1.1-1.2x);
+# benchmarks/decode.py --kernel-rows measures it again.
 MAX_ROWS = 4
 
 
