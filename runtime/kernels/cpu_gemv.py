@@ -23,9 +23,9 @@ GEMV_ENV = "WARMSTART_CPU_GEMV"
 GEMV_CHOICES = ("kernel", "torch")
 KERNEL_MAX_ROWS = _ext.MAX_ROWS if _ext is not None else 0  # the most rows of x the kernel takes per call
 # The most rows the CPU ops send it (``fits``); beyond, oneDNN's blocked matmul on the prepacked weight, which reuses
-# each weight from cache. Chosen on measurements of a loaded machine (4 rows: 0.7-1.1x oneDNN, 1-2 rows: 1.1-1.2x);
-# benchmarks/decode.py --kernel-rows measures it again.
-MAX_ROWS = 4
+# each weight from cache. `benchmarks/decode.py --kernel-rows` over SmolLM2-135M's linears (load 1.5): oneDNN / gemv
+# 1.19x at 1 row, 0.99x at 2, 0.80-0.94x at 3-8.
+MAX_ROWS = 2
 
 
 def cpu_supported() -> bool:

@@ -3,7 +3,7 @@ residual add + RMSNorm, gate_up, SiLU-and-mul, down, residual add] in C (runtime
 region each), decode attention between them as the ops run it (runtime/layers/attention.py's kernel path).
 
 For one sequence on SmolLM2-135M about a third of a step was Python dispatch and small ops around the matmuls;
-this path takes bf16 decode rows (at most cpu_gemv.MAX_ROWS) of plain or prepacked weights. It steps aside, for
+this path takes bf16 decode rows (at most MAX_ROWS) of plain or prepacked weights. It steps aside, for
 the model's ordinary ops (the reference the tests compare with), for prefill rows, for a batch carrying LoRA
 adapters, for quantized weights, for tensor-parallel shards, for q/k norms (Qwen3), for float32 (whose arithmetic
 the transformers comparison pins down) and under ``WARMSTART_CPU_FUSED_DECODE=torch``.
@@ -24,6 +24,10 @@ from runtime.models.config import ModelConfig
 from runtime.models.weights import LINEAR_FIELDS, ModelWeights
 
 FUSED_ENV = "WARMSTART_CPU_FUSED_DECODE"
+# The most decode rows the path takes. Its matmuls lose to oneDNN's above 2 rows (0.8x at 4: cpu_gemv.MAX_ROWS), but
+# a step saves about 4 ms of dispatch at one row (benchmarks/decode.py: 18.8 against 23.0 ms/token unfused), more
+# than the matmuls lose at 4; not measured at 3-4 rows.
+MAX_ROWS = 4
 FUSED_CHOICES = ("kernel", "torch")
 
 
@@ -54,7 +58,7 @@ class FusedDecode:
 
     def serves(self, rows: int, meta: AttentionMetadata) -> bool:
         """Whether this step's batch takes the path: decode rows only, few of them. (The caller checks LoRA.)"""
-        return self.enabled and 1 <= rows <= cpu_gemv.MAX_ROWS and all(g.is_decode for g in meta.groups)
+        return self.enabled and 1 <= rows <= MAX_ROWS and all(g.is_decode for g in meta.groups)
 
     def layer(
         self, i: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,

@@ -14,7 +14,7 @@ from runtime.layers import norm
 from runtime.layers.activation import silu_and_mul
 from runtime.layers.attention import AttentionGroup, AttentionMetadata, write_kv
 from runtime.layers.rotary import RotaryTables, apply_rotary, lookup
-from runtime.models.fused_decode import FUSED_ENV, FusedDecode
+from runtime.models.fused_decode import FUSED_ENV, MAX_ROWS, FusedDecode
 from runtime.models.quantize import quantize_model
 
 pytestmark = pytest.mark.skipif(
@@ -86,8 +86,8 @@ def test_serves_decode_rows_only(tiny_model_dir) -> None:  # type: ignore[no-unt
     model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
     fused = model.fused_decode
     assert fused is not None
-    assert fused.serves(1, decode_meta(1)) and fused.serves(cpu_gemv.MAX_ROWS, decode_meta(cpu_gemv.MAX_ROWS))
-    assert not fused.serves(cpu_gemv.MAX_ROWS + 1, decode_meta(cpu_gemv.MAX_ROWS + 1))
+    assert fused.serves(1, decode_meta(1)) and fused.serves(MAX_ROWS, decode_meta(MAX_ROWS))
+    assert not fused.serves(MAX_ROWS + 1, decode_meta(MAX_ROWS + 1))
     assert not fused.serves(3, decode_meta(3, prefill=True))
     fused.enabled = False
     assert not fused.serves(1, decode_meta(1))
