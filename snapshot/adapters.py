@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from runtime.engine.adapters import AdapterSelector, pooled_embedding, to_blocks
 from runtime.engine.engine import LLMEngine
+from runtime.engine.lora import peft_pattern_value
 from runtime.models.config import ModelConfig
 from runtime.tokenizer import Tokenizer
 from snapshot.errors import BuildError
@@ -176,19 +177,11 @@ def merge_lora(raw: dict[str, torch.Tensor], path: Path) -> list[str]:
             raise BuildError(f"{what}: {module} update has shape {tuple(delta.shape)}, the model's weight "
                              f"{tuple(raw[name].shape)} (an adapter for another base model?)")
         rank = ab["A"].shape[0]
-        alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+        alpha = peft_pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         raw[name] = (raw[name].float() + scale * delta).to(raw[name].dtype)
         merged.append(name)
     return merged
-
-
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's per-module override: a key matches a module name that ends with it (as a regex)."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
 
 
 # -- the "auto" selector -------------------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def lora_from_peft(
             raise ValueError(f"{what}: layer {layer} {hf_module} has lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)}; this model needs ({r}, {fan_in}) and ({outs[s]}, {r}) "
                              "(an adapter for another base model?)")
-        alpha = float(_pattern_value(alpha_pattern, f"model.layers.{layer}.{_PARENT[hf_module]}.{hf_module}",
+        alpha = float(peft_pattern_value(alpha_pattern, f"model.layers.{layer}.{_PARENT[hf_module]}.{hf_module}",
                                      alpha_default))
         scale = alpha / math.sqrt(r) if peft_config.get("use_rslora") else alpha / r
         if module not in layers[layer]:
@@ -270,7 +270,7 @@ def _peft_pairs(
     return pairs
 
 
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+def peft_pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's per-module override: a key matches a module name that ends with it (as a regex)."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", module):
