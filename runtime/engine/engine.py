@@ -468,8 +468,7 @@ class LLMEngine:
         missing = [h for h in hashes if h not in self.blocks.cached]
         if missing:
             raise RuntimeError(f"{len(missing)} of the prefix's blocks were evicted; give the engine a larger pool")
-        index = torch.tensor([self.blocks.cached[h] for h in hashes], dtype=torch.long)
-        return hashes, torch.stack([cache.index_select(2, index) for cache in self.runner.kv_caches])
+        return hashes, self.runner.read_blocks([self.blocks.cached[h] for h in hashes])
 
     def load_prefix(
         self, token_ids: list[int], hashes: list[int], kv: torch.Tensor, draft_kv: torch.Tensor | None = None

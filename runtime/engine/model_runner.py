@@ -282,8 +282,7 @@ class ModelRunner:
         n = embeds.shape[0]
         assert len(blocks) == -(-n // self.block_size)
         self.forward([Chunk(blocks, [0] * n, 0, 0)], inputs_embeds=embeds.to(self.device, self.model.dtype))
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return torch.stack([cache.index_select(2, index) for cache in self.kv_caches])
+        return self.read_blocks(blocks)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """A copy of blocks' KV, [num_layers, 2, kv_heads, len(blocks), block_size, head_dim] (fill_blocks' input)."""

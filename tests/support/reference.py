@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.outputs import RequestOutput
+
 
 @functools.cache
 def hf_model(model_dir: Path):  # type: ignore[no-untyped-def]
@@ -54,3 +56,18 @@ def assert_matches_reference(model_dir: Path, prompt: list[int], ours: list[int]
                 f"and the reference's top-2 gap is {gap:.2e} (not a near-tie)"
             )
             return
+
+
+def assert_close_in_bf16(
+    ours: list[RequestOutput], reference: list[RequestOutput], same_prefix: int = 4, logprob_tol: float = 0.05
+) -> None:
+    """bf16 outputs of a kernel path against the PyTorch path (RequestOutputs with logprobs): the first
+    ``same_prefix`` tokens agree, and each token's logprob agrees within ``logprob_tol`` until the first
+    difference (bf16 sums in another order may part later)."""
+    for a, b in zip(ours, reference, strict=True):
+        assert a.token_ids[:same_prefix] == b.token_ids[:same_prefix]
+        assert a.logprobs is not None and b.logprobs is not None
+        for token_a, token_b, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            if token_a != token_b:
+                break
+            assert abs(la.logprob - lb.logprob) < logprob_tol
