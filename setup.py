@@ -10,7 +10,7 @@ setup(
         Extension(
             "runtime.kernels._cpu_attention",
             sources=["runtime/kernels/cpu_attention.c"],
-            depends=["runtime/kernels/bf16.h"],
+            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -27,7 +27,7 @@ setup(
         Extension(  # bf16 matrix-vector products for decode steps (runtime/kernels/cpu_gemv.py)
             "runtime.kernels._cpu_gemv",
             sources=["runtime/kernels/cpu_gemv.c"],
-            depends=["runtime/kernels/bf16.h"],
+            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,

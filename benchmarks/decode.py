@@ -9,7 +9,7 @@ timed (from the previous token to it; the prompt's prefill is not in it); a roun
 tokens (the mean is printed beside it: on a shared machine a descheduled thread makes a few tokens 10-100x slow),
 and the summary takes the median over rounds. Systems, in an order that
 rotates from round to round:
-- ``warmstart``: the default CPU path in bfloat16: each decode layer in a few C calls (runtime/models/fused_decode.py)
+- ``warmstart``: the default CPU path in bfloat16: all decode layers in one C call (runtime/models/fused_decode.py)
   over the gemv kernel (runtime/kernels/cpu_gemv.c).
 - ``warmstart-gemv``: the same engine with the layers on the ordinary ops, their decode linears on the gemv kernel
   (what ``WARMSTART_CPU_FUSED_DECODE=torch`` selects).

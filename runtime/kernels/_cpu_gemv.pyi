@@ -6,12 +6,8 @@ def gemv(
     out: int, x: int, weight: int, bias: int, rows: int, n: int, k: int, x_stride: int, num_threads: int, /,
 ) -> None: ...
 def has_avx512_bf16() -> bool: ...
-def decode_attention_in(
-    x: int, norm_w: int, qkv_w: int, qkv_bias: int, cos: int, sin: int, positions: int, slots: int, k_cache: int,
-    v_cache: int, q_out: int, h: int, qkv: int, rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-    head_stride: int, eps: float, num_threads: int, /,
-) -> None: ...
-def decode_mlp(
-    attn: int, o_w: int, x: int, post_w: int, gate_up_w: int, down_w: int, x_out: int, o: int, h: int, gu: int,
-    act: int, rows: int, hidden: int, attn_width: int, inter: int, eps: float, num_threads: int, /,
+def decode_layers(
+    x: int, layer_table: int, cos: int, sin: int, positions: int, slots: int, tables: int, key_starts: int,
+    key_ends: int, rows: int, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+    block_size: int, table_width: int, head_stride: int, eps: float, num_threads: int, /,
 ) -> None: ...

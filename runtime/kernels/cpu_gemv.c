@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "decode_attention.h"
 
 #define MAX_ROWS 8 /* rows of x per call: beyond a few, a matmul that reuses weights from cache wins */
 
@@ -82,11 +83,35 @@ TARGET static inline __m512bh load_bf16(const uint16_t *p, __mmask32 mask) {
             }                                                                                                        \
     }
 
-DEFINE_TILE(1, 8, 2)
 DEFINE_TILE(2, 4, 2)
 DEFINE_TILE(4, 4, 1)
 
-#define ROW_BLOCK 8 /* weight rows per block: tiles of 8 rows for one row of x, of 4 for 2 or 4 */
+/* One row of x against weight rows [n0, n0 + count), each row read from start to end before the next: for a single
+ * row of x nothing is reused, and one sequential stream is what the hardware prefetcher follows best (a 1 x 8 tile
+ * interleaving eight rows read 18-20 GB/s where this reads 27-30, a plain read's speed, on the 2-core EPYC of
+ * docs/BENCHMARKS.md). Two accumulators hide the dot product's latency. */
+TARGET static void rows_1(uint16_t *out, const uint16_t *x, const uint16_t *w, int64_t k, const uint16_t *bias,
+                          int64_t n0, int64_t count) {
+    for (int64_t n = n0; n < n0 + count; n++) {
+        const uint16_t *wr = w + n * k;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t k0 = 0;
+        for (; k0 + 64 <= k; k0 += 64) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k0), (__m512bh)_mm512_loadu_si512(wr + k0));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k0 + 32),
+                                  (__m512bh)_mm512_loadu_si512(wr + k0 + 32));
+        }
+        for (; k0 < k; k0 += 32) {
+            const __mmask32 mask = k - k0 >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - k0)) - 1u);
+            a0 = _mm512_dpbf16_ps(a0, load_bf16(x + k0, mask), load_bf16(wr + k0, mask));
+        }
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        if (bias) sum += bf16_to_f32(bias[n]);
+        out[n] = f32_to_bf16(sum);
+    }
+}
+
+#define ROW_BLOCK 8 /* weight rows per block: two tiles of 4 for 2 or 4 rows of x */
 
 /* Weight rows [n_begin, n_end) for all rows of x, the rows of x in passes of 4, 2 and 1 over each block of
  * weight rows while it is in L1. */
@@ -107,7 +132,7 @@ TARGET static void gemv_range(uint16_t *out, const uint16_t *x, int64_t x_stride
         }
         if (rows % 2) {
             const int64_t m = rows - 1;
-            tile_1x8(out + m * n, n, x + m * x_stride, x_stride, w + n0 * k, k, bias, n0, valid);
+            rows_1(out + m * n, x + m * x_stride, w, k, bias, n0, valid);
         }
     }
 }
@@ -150,10 +175,13 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- A decode layer in two calls (runtime/layers/fused_decode.py): the rows of a decode step through
- * [RMSNorm, qkv, rotary, KV write] and [o, residual add + RMSNorm, gate_up, SiLU-and-mul, down, residual add], each
- * in one OpenMP parallel region, instead of about a dozen PyTorch ops. Each step rounds to bf16 where its PyTorch
- * reference does (runtime/layers/norm.py, rotary.py, activation.py): only the matmuls' sums differ in order. */
+/* ---- A decode step's decoder layers in one call (runtime/models/fused_decode.py): for every layer, the rows of
+ * the step through [RMSNorm, qkv, rotary, KV write], attention over the pool (decode_attention.h, as cpu_attention.c's
+ * decode runs it) and [o, residual add + RMSNorm, gate_up, SiLU-and-mul, down, residual add], all in one OpenMP
+ * parallel region with a barrier where a phase needs all of the one before. Per layer that replaces about fifteen
+ * PyTorch ops, or three C calls with their Python, each of which cost more than its work at one row. Each phase
+ * rounds to bf16 where its PyTorch reference does (runtime/layers/norm.py, rotary.py, activation.py): only the
+ * matmuls' sums differ in order. */
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -187,108 +215,165 @@ static void rotate_head(uint16_t *out, const uint16_t *x, const uint16_t *c, con
     }
 }
 
-static PyObject *decode_attention_in(PyObject *self, PyObject *args) {
-    unsigned long long x, norm_w, qkv_w, qkv_bias, cos_t, sin_t, positions, slots, k_cache, v_cache, q_out, h, qkv;
-    long long rows, hidden, heads, kv_heads, head_dim, head_stride;
+/* One layer's tensors: a row of int64 per layer, laid out by runtime/models/fused_decode.py (LAYER_FIELDS). */
+enum { L_INPUT_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_WINDOW, L_FIELDS };
+
+typedef struct {
+    int64_t rows, hidden, heads, kv_heads, head_dim, inter, n_qkv;
+    const uint16_t *cos, *sin;
+    const int64_t *positions, *slots;
+    DecodeArgs attention; /* per layer: k, v, key_start and out/q filled in */
+    const int64_t *key_starts; /* [windows, rows]: a layer's row is its L_WINDOW */
     float eps;
-    int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKKKKKKLLLLLLfi", &x, &norm_w, &qkv_w, &qkv_bias, &cos_t, &sin_t, &positions,
-                          &slots, &k_cache, &v_cache, &q_out, &h, &qkv, &rows, &hidden, &heads, &kv_heads, &head_dim,
-                          &head_stride, &eps, &num_threads))
-        return NULL;
-    if (!cpu_has_avx512_bf16()) return PyErr_Format(PyExc_RuntimeError, "decode_attention_in: no AVX512-BF16");
-    if (rows < 1 || rows > MAX_ROWS || head_dim % 2)
-        return PyErr_Format(PyExc_ValueError, "decode_attention_in: rows %lld, head_dim %lld", rows, head_dim);
-    const int64_t n_qkv = (heads + 2 * kv_heads) * head_dim;
-    const int threads = threads_for(n_qkv, hidden, num_threads);
-    Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp single
-        for (int64_t m = 0; m < rows; m++)
-            norm_row((uint16_t *)h + m * hidden, (const uint16_t *)x + m * hidden, (const uint16_t *)norm_w, hidden,
-                     eps);
-        int64_t begin, end;
-        thread_range(n_qkv, t, nt, &begin, &end);
-        gemv_range((uint16_t *)qkv, (const uint16_t *)h, hidden, (const uint16_t *)qkv_w,
-                   (const uint16_t *)qkv_bias, rows, n_qkv, hidden, begin, end);
+    /* shared between the threads */
+    uint16_t *qkv, *q, *attn, *o, *gu, *act;
+} Step;
+
+/* Thread t's part of one layer; every thread runs it, the caller's region holds them all. ``h`` and ``summed`` are
+ * the thread's own (each computes the norms in full rather than wait for one thread to), ``scores`` too. */
+TARGET static void decode_layer(Step *st, const int64_t *layer, uint16_t *x, uint16_t *h, uint16_t *summed,
+                                float *scores, int t, int nt, int wide) {
+    const int64_t rows = st->rows, hidden = st->hidden, inter = st->inter, n_qkv = st->n_qkv;
+    const int64_t heads = st->heads, kv_heads = st->kv_heads, head_dim = st->head_dim;
+    const uint16_t *qkv_bias = (const uint16_t *)(uintptr_t)layer[L_QKV_BIAS];
+    uint16_t *k_cache = (uint16_t *)(uintptr_t)layer[L_K_CACHE], *v_cache = (uint16_t *)(uintptr_t)layer[L_V_CACHE];
+    int64_t begin, end;
+
+    for (int64_t m = 0; m < rows; m++)
+        norm_row(h + m * hidden, x + m * hidden, (const uint16_t *)(uintptr_t)layer[L_INPUT_NORM], hidden, st->eps);
+    thread_range(n_qkv, t, nt, &begin, &end);
+    gemv_range(st->qkv, h, hidden, (const uint16_t *)(uintptr_t)layer[L_QKV], qkv_bias, rows, n_qkv, hidden, begin,
+               end);
 #pragma omp barrier
-        /* rotary into q_out, and k rotated / v as is into their slots of the pool */
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < rows * (heads + 2 * kv_heads); j++) {
-            const int64_t m = j / (heads + 2 * kv_heads), head = j % (heads + 2 * kv_heads);
-            const int64_t pos = ((const int64_t *)positions)[m], slot = ((const int64_t *)slots)[m];
-            const uint16_t *src = (const uint16_t *)qkv + m * n_qkv + head * head_dim;
-            const uint16_t *c = (const uint16_t *)cos_t + pos * head_dim, *s = (const uint16_t *)sin_t + pos * head_dim;
-            if (head < heads) {
-                rotate_head((uint16_t *)q_out + (m * heads + head) * head_dim, src, c, s, head_dim);
-            } else if (head < heads + kv_heads) {
-                if (slot >= 0)
-                    rotate_head((uint16_t *)k_cache + (head - heads) * head_stride + slot * head_dim, src, c, s,
-                                head_dim);
-            } else if (slot >= 0) {
-                memcpy((uint16_t *)v_cache + (head - heads - kv_heads) * head_stride + slot * head_dim, src,
-                       (size_t)head_dim * 2);
-            }
-        }
+    for (int64_t j = 0; j < rows * (heads + 2 * kv_heads); j++) { /* rotary into q; k rotated, v as is, to the pool */
+        const int64_t m = j / (heads + 2 * kv_heads), head = j % (heads + 2 * kv_heads);
+        const int64_t pos = st->positions[m], slot = st->slots[m];
+        const uint16_t *src = st->qkv + m * n_qkv + head * head_dim;
+        const uint16_t *c = st->cos + pos * head_dim, *s = st->sin + pos * head_dim;
+        const int64_t head_stride = st->attention.head_stride;
+        if (head < heads)
+            rotate_head(st->q + (m * heads + head) * head_dim, src, c, s, head_dim);
+        else if (head < heads + kv_heads) {
+            if (slot >= 0) rotate_head(k_cache + (head - heads) * head_stride + slot * head_dim, src, c, s, head_dim);
+        } else if (slot >= 0)
+            memcpy(v_cache + (head - heads - kv_heads) * head_stride + slot * head_dim, src, (size_t)head_dim * 2);
     }
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    DecodeArgs a = st->attention;
+    a.k = k_cache;
+    a.v = v_cache;
+    a.key_start = st->key_starts + layer[L_WINDOW] * rows;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < rows * kv_heads; i++) {
+        if (wide)
+            attend_avx512(&a, i / kv_heads, i % kv_heads, scores);
+        else
+            attend(&a, i / kv_heads, i % kv_heads, scores);
+    }
+    const int64_t attn_width = heads * head_dim;
+    thread_range(hidden, t, nt, &begin, &end);
+    gemv_range(st->o, st->attn, attn_width, (const uint16_t *)(uintptr_t)layer[L_O], NULL, rows, hidden, attn_width,
+               begin, end);
+#pragma omp barrier
+    for (int64_t m = 0; m < rows; m++) { /* summed = bf16(x + o), h = norm(summed) */
+        for (int64_t d = 0; d < hidden; d++)
+            summed[m * hidden + d] = f32_to_bf16(bf16_to_f32(x[m * hidden + d]) + bf16_to_f32(st->o[m * hidden + d]));
+        norm_row(h + m * hidden, summed + m * hidden, (const uint16_t *)(uintptr_t)layer[L_POST_NORM], hidden,
+                 st->eps);
+    }
+    /* each thread its gate rows and the matching up rows, so SiLU-and-mul needs no barrier */
+    const uint16_t *gate_up = (const uint16_t *)(uintptr_t)layer[L_GATE_UP];
+    thread_range(inter, t, nt, &begin, &end);
+    gemv_range(st->gu, h, hidden, gate_up, NULL, rows, 2 * inter, hidden, begin, end);
+    gemv_range(st->gu, h, hidden, gate_up, NULL, rows, 2 * inter, hidden, inter + begin, inter + end);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t f = begin; f < end; f++) {
+            const float g = bf16_to_f32(st->gu[m * 2 * inter + f]), u = bf16_to_f32(st->gu[m * 2 * inter + inter + f]);
+            st->act[m * inter + f] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+        }
+#pragma omp barrier
+    /* down, then the residual add for this thread's columns (o is free again: every thread has read it) */
+    thread_range(hidden, t, nt, &begin, &end);
+    gemv_range(st->o, st->act, inter, (const uint16_t *)(uintptr_t)layer[L_DOWN], NULL, rows, hidden, inter, begin,
+               end);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t d = begin; d < end; d++)
+            x[m * hidden + d] = f32_to_bf16(bf16_to_f32(summed[m * hidden + d]) + bf16_to_f32(st->o[m * hidden + d]));
+#pragma omp barrier
 }
 
-static PyObject *decode_mlp(PyObject *self, PyObject *args) {
-    unsigned long long attn, o_w, x, post_w, gate_up_w, down_w, x_out, o, h, gu, act;
-    long long rows, hidden, attn_width, inter;
+static PyObject *decode_layers(PyObject *self, PyObject *args) {
+    unsigned long long x, layer_table, cos_t, sin_t, positions, slots, tables, key_starts, key_ends;
+    long long rows, num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, head_stride;
     float eps;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKKKKLLLLfi", &attn, &o_w, &x, &post_w, &gate_up_w, &down_w, &x_out, &o, &h,
-                          &gu, &act, &rows, &hidden, &attn_width, &inter, &eps, &num_threads))
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKLLLLLLLLLLfi", &x, &layer_table, &cos_t, &sin_t, &positions, &slots, &tables,
+                          &key_starts, &key_ends, &rows, &num_layers, &hidden, &heads, &kv_heads, &head_dim, &inter,
+                          &block_size, &table_width, &head_stride, &eps, &num_threads))
         return NULL;
-    if (!cpu_has_avx512_bf16()) return PyErr_Format(PyExc_RuntimeError, "decode_mlp: no AVX512-BF16");
-    if (rows < 1 || rows > MAX_ROWS) return PyErr_Format(PyExc_ValueError, "decode_mlp: rows %lld", rows);
-    const int threads = threads_for(2 * inter, hidden, num_threads);
+    if (!cpu_has_avx512_bf16()) return PyErr_Format(PyExc_RuntimeError, "decode_layers: no AVX512-BF16");
+    if (rows < 1 || rows > MAX_ROWS || head_dim % 2 || head_dim > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads ||
+        heads / kv_heads > MAX_GROUP || block_size < 1 || num_threads < 1)
+        return PyErr_Format(PyExc_ValueError,
+                            "decode_layers: rows %lld (at most %d), heads %lld, kv_heads %lld, head_dim %lld, block "
+                            "size %lld",
+                            rows, MAX_ROWS, heads, kv_heads, head_dim, block_size);
+    Step st = {.rows = rows, .hidden = hidden, .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim,
+               .inter = inter, .n_qkv = (heads + 2 * kv_heads) * head_dim, .eps = eps,
+               .cos = (const uint16_t *)(uintptr_t)cos_t, .sin = (const uint16_t *)(uintptr_t)sin_t,
+               .positions = (const int64_t *)(uintptr_t)positions, .slots = (const int64_t *)(uintptr_t)slots,
+               .key_starts = (const int64_t *)(uintptr_t)key_starts};
+    const int64_t q_size = heads * head_dim;
+    DecodeArgs *a = &st.attention;
+    a->tables = (const int64_t *)(uintptr_t)tables;
+    a->key_end = (const int64_t *)(uintptr_t)key_ends;
+    a->batch = rows;
+    a->heads = heads;
+    a->kv_heads = kv_heads;
+    a->head_dim = head_dim;
+    a->block_size = block_size;
+    a->table_width = table_width;
+    a->head_stride = head_stride;
+    a->scale = 1.0f / sqrtf((float)head_dim);
+    a->bf16 = 1;
+    a->block_shift = -1;
+    for (int shift = 0; shift < 31; shift++)
+        if (((int64_t)1 << shift) == block_size) a->block_shift = shift;
+    int64_t longest = 1;
+    for (int64_t m = 0; m < rows; m++)
+        if (a->key_end[m] > longest) longest = a->key_end[m]; /* key_start >= 0: no window attends more */
+    /* shared buffers, then each thread's own: h and summed, and attention scores */
+    const int64_t shared = rows * (st.n_qkv + 3 * q_size + hidden + 3 * inter), own = 2 * rows * hidden;
+    const int64_t score_floats = heads / kv_heads * longest;
+    uint16_t *buffer = malloc(sizeof(uint16_t) * (size_t)(shared + num_threads * own));
+    float *scores = malloc(sizeof(float) * (size_t)(num_threads * score_floats));
+    if (buffer == NULL || scores == NULL) {
+        free(buffer);
+        free(scores);
+        return PyErr_NoMemory();
+    }
+    st.qkv = buffer;
+    st.q = st.qkv + rows * st.n_qkv;
+    st.attn = st.q + rows * q_size;
+    st.o = st.attn + rows * q_size;
+    st.gu = st.o + rows * hidden;
+    st.act = st.gu + rows * 2 * inter;
+    a->q = st.q;
+    a->out = st.attn;
+    const int wide = head_dim % 16 == 0; /* attend_avx512's shapes; AVX-512 itself comes with AVX512-BF16 */
+    const int64_t *layers = (const int64_t *)(uintptr_t)layer_table;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t begin, end;
-        thread_range(hidden, t, nt, &begin, &end);
-        gemv_range((uint16_t *)o, (const uint16_t *)attn, attn_width, (const uint16_t *)o_w, NULL, rows, hidden,
-                   attn_width, begin, end);
-#pragma omp barrier
-#pragma omp single
-        for (int64_t m = 0; m < rows; m++) { /* summed = bf16(x + o), h = norm(summed) */
-            uint16_t *summed = (uint16_t *)x_out + m * hidden;
-            for (int64_t d = 0; d < hidden; d++)
-                summed[d] = f32_to_bf16(bf16_to_f32(((const uint16_t *)x)[m * hidden + d]) +
-                                        bf16_to_f32(((const uint16_t *)o)[m * hidden + d]));
-            norm_row((uint16_t *)h + m * hidden, summed, (const uint16_t *)post_w, hidden, eps);
-        }
-        /* each thread its gate rows and the matching up rows, so SiLU-and-mul needs no barrier */
-        thread_range(inter, t, nt, &begin, &end);
-        gemv_range((uint16_t *)gu, (const uint16_t *)h, hidden, (const uint16_t *)gate_up_w, NULL, rows, 2 * inter,
-                   hidden, begin, end);
-        gemv_range((uint16_t *)gu, (const uint16_t *)h, hidden, (const uint16_t *)gate_up_w, NULL, rows, 2 * inter,
-                   hidden, inter + begin, inter + end);
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t f = begin; f < end; f++) {
-                const float g = bf16_to_f32(((const uint16_t *)gu)[m * 2 * inter + f]);
-                const float u = bf16_to_f32(((const uint16_t *)gu)[m * 2 * inter + inter + f]);
-                ((uint16_t *)act)[m * inter + f] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
-            }
-#pragma omp barrier
-        /* down, then the residual add for this thread's columns */
-        thread_range(hidden, t, nt, &begin, &end);
-        gemv_range((uint16_t *)o, (const uint16_t *)act, inter, (const uint16_t *)down_w, NULL, rows, hidden, inter,
-                   begin, end);
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t d = begin; d < end; d++) {
-                uint16_t *xo = (uint16_t *)x_out + m * hidden + d;
-                *xo = f32_to_bf16(bf16_to_f32(*xo) + bf16_to_f32(((const uint16_t *)o)[m * hidden + d]));
-            }
+        uint16_t *mine = buffer + shared + t * own;
+        for (int64_t i = 0; i < num_layers; i++)
+            decode_layer(&st, layers + i * L_FIELDS, (uint16_t *)(uintptr_t)x, mine, mine + rows * hidden,
+                         scores + t * score_floats, t, nt, wide);
     }
     Py_END_ALLOW_THREADS
+    free(buffer);
+    free(scores);
     Py_RETURN_NONE;
 }
 
@@ -299,12 +384,10 @@ static PyMethodDef methods[] = {
      "gemv(out, x, weight, bias, rows, n, k, x_stride, num_threads): out [rows, n] = x [rows, k] @ weight.T + bias, "
      "all bfloat16, weight [n, k] row-major; bias 0: none"},
     {"has_avx512_bf16", has_avx512_bf16, METH_NOARGS, "whether this CPU runs gemv"},
-    {"decode_attention_in", decode_attention_in, METH_VARARGS,
-     "decode_attention_in(x, norm_w, qkv_w, qkv_bias, cos, sin, positions, slots, k_cache, v_cache, q_out, h, qkv, "
-     "rows, hidden, heads, kv_heads, head_dim, head_stride, eps, num_threads)"},
-    {"decode_mlp", decode_mlp, METH_VARARGS,
-     "decode_mlp(attn, o_w, x, post_w, gate_up_w, down_w, x_out, o, h, gu, act, rows, hidden, attn_width, inter, "
-     "eps, num_threads)"},
+    {"decode_layers", decode_layers, METH_VARARGS,
+     "decode_layers(x, layer_table, cos, sin, positions, slots, tables, key_starts, key_ends, rows, layers, hidden, "
+     "heads, kv_heads, head_dim, inter, block_size, table_width, head_stride, eps, num_threads): x [rows, hidden] "
+     "through every layer, in place"},
     {NULL, NULL, 0, NULL},
 };
 

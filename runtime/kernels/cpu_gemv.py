@@ -81,43 +81,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out.view(*x.shape[:-1], n)
 
 
-def decode_attention_in(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
-    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-    heads: int,
-) -> torch.Tensor:  # fmt: skip
-    """A decode step's rows x [M, hidden] up to attention, in one call: rms_norm, the qkv linear, rotary, and the
-    rotated k and v written to their ``slots`` of ``cache`` [2, kv_heads, blocks, block_size, head_dim]. Returns
-    the rotated queries [M, heads, head_dim]. positions and slots: int64 [M]."""
-    assert _ext is not None and x.is_contiguous() and cache.is_contiguous() and x.dtype == torch.bfloat16
-    rows, hidden = x.shape
-    _, kv_heads, blocks, block_size, head_dim = cache.shape
-    q = torch.empty(rows, heads, head_dim, dtype=x.dtype)
-    h = torch.empty_like(x)
-    qkv = torch.empty(rows, qkv_weight.shape[0], dtype=x.dtype)
-    _ext.decode_attention_in(
-        x.data_ptr(), norm_weight.data_ptr(), qkv_weight.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), cache[0].data_ptr(),
-        cache[1].data_ptr(), q.data_ptr(), h.data_ptr(), qkv.data_ptr(),
-        rows, hidden, heads, kv_heads, head_dim, blocks * block_size * head_dim, eps, torch.get_num_threads(),
-    )  # fmt: skip
-    return q
+# A layer's row of the table ``decode_layers`` takes (cpu_gemv.c's L_* order): pointers, and the layer's row of
+# key_starts. qkv_bias 0: none.
+LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "k_cache", "v_cache",
+                "window")  # fmt: skip
 
 
-def decode_mlp(
-    attn: torch.Tensor, o_weight: torch.Tensor, x: torch.Tensor, post_norm: torch.Tensor, eps: float,
-    gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The rest of a decode layer in one call: summed = x + o_proj(attn), then summed + down(silu_and_mul(
-    gate_up(rms_norm(summed)))), returned as the new residual stream [M, hidden]."""
-    assert _ext is not None and attn.is_contiguous() and x.is_contiguous()
+def decode_layers(
+    x: torch.Tensor, layer_table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    slots: torch.Tensor, tables: torch.Tensor, key_starts: torch.Tensor, key_ends: torch.Tensor, heads: int,
+    kv_heads: int, head_dim: int, inter: int, block_size: int, head_stride: int, eps: float,
+) -> None:  # fmt: skip
+    """A decode step's rows x [M, hidden] through every layer of ``layer_table`` [layers, LAYER_FIELDS], in place:
+    rms_norm, qkv, rotary, k and v written to their ``slots`` of the pool, attention over it (row m's keys
+    key_starts[window, m] <= j < key_ends[m] of its row of ``tables``), o_proj and the residual add, rms_norm,
+    gate_up, SiLU-and-mul, down and the residual add. positions, slots, tables and key ranges: int64."""
+    assert _ext is not None and x.is_contiguous() and x.dtype == torch.bfloat16
+    for t in (layer_table, positions, slots, tables, key_starts, key_ends):
+        assert t.dtype == torch.int64 and t.is_contiguous()
     rows, hidden = x.shape
-    inter = down_weight.shape[1]
-    out, o, h = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-    gu, act = torch.empty(rows, 2 * inter, dtype=x.dtype), torch.empty(rows, inter, dtype=x.dtype)
-    _ext.decode_mlp(
-        attn.data_ptr(), o_weight.data_ptr(), x.data_ptr(), post_norm.data_ptr(), gate_up_weight.data_ptr(),
-        down_weight.data_ptr(), out.data_ptr(), o.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr(),
-        rows, hidden, attn.shape[1], inter, eps, torch.get_num_threads(),
+    _ext.decode_layers(
+        x.data_ptr(), layer_table.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+        tables.data_ptr(), key_starts.data_ptr(), key_ends.data_ptr(), rows, layer_table.shape[0], hidden, heads,
+        kv_heads, head_dim, inter, block_size, tables.shape[1], head_stride, eps, torch.get_num_threads(),
     )  # fmt: skip
-    return out

@@ -1,12 +1,14 @@
-"""A decode step's decoder layers in three calls each on the CPU: [RMSNorm, qkv, rotary, KV write] and [o_proj,
-residual add + RMSNorm, gate_up, SiLU-and-mul, down, residual add] in C (runtime/kernels/cpu_gemv.c, one OpenMP
-region each), decode attention between them as the ops run it (runtime/layers/attention.py's kernel path).
+"""A decode step's decoder layers in one C call on the CPU (runtime/kernels/cpu_gemv.c ``decode_layers``): every
+layer's [RMSNorm, qkv, rotary, KV write], decode attention over the pool and [o_proj, residual add + RMSNorm,
+gate_up, SiLU-and-mul, down, residual add] in one OpenMP region.
 
-For one sequence on SmolLM2-135M about a third of a step was Python dispatch and small ops around the matmuls;
-this path takes bf16 decode rows (at most MAX_ROWS) of plain or prepacked weights. It steps aside, for
-the model's ordinary ops (the reference the tests compare with), for prefill rows, for a batch carrying LoRA
-adapters, for quantized weights, for tensor-parallel shards, for q/k norms (Qwen3), for float32 (whose arithmetic
-the transformers comparison pins down) and under ``WARMSTART_CPU_FUSED_DECODE=torch``.
+For one sequence on SmolLM2-135M about a third of a step was Python dispatch and small ops around the matmuls, and
+three C calls per layer still left about 4 ms of it (docs/BENCHMARKS.md, issue 15). This path takes bf16 decode rows
+(at most MAX_ROWS) of plain or prepacked weights. It steps aside, for the model's ordinary ops (the reference the
+tests compare with), for prefill rows, for a batch carrying LoRA adapters, for quantized weights, for tensor-parallel
+shards, for q/k norms (Qwen3), for float32 (whose arithmetic the transformers comparison pins down), where the C
+decode attention does not serve the pool (``WARMSTART_CPU_ATTENTION=torch``) and under
+``WARMSTART_CPU_FUSED_DECODE=torch``.
 """
 
 from __future__ import annotations
@@ -16,17 +18,16 @@ import os
 import torch
 
 from runtime.kernels import cpu_gemv
-from runtime.layers.attention import AttentionMetadata
+from runtime.layers.attention import AttentionMetadata, decode_kernel_serves
 from runtime.layers.linear import plain_weight
-from runtime.layers.ops import Ops
 from runtime.layers.rotary import RotaryTables
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LINEAR_FIELDS, ModelWeights
 
 FUSED_ENV = "WARMSTART_CPU_FUSED_DECODE"
 # The most decode rows the path takes. Its matmuls lose to oneDNN's above 2 rows (0.8x at 4: cpu_gemv.MAX_ROWS), but
-# a step saves about 4 ms of dispatch at one row (benchmarks/decode.py: 18.8 against 23.0 ms/token unfused), more
-# than the matmuls lose at 4; not measured at 3-4 rows.
+# a step saved about 4 ms of dispatch at one row (benchmarks/decode.py: 18.8 against 23.0 ms/token unfused) when
+# layers were three calls each, more than the matmuls lose at 4; not measured at 3-4 rows.
 MAX_ROWS = 4
 FUSED_CHOICES = ("kernel", "torch")
 
@@ -39,6 +40,10 @@ class FusedDecode:
         self.weights = weights
         self.cos, self.sin = rotary.cos.contiguous(), rotary.sin.contiguous()
         self.enabled = True
+        # the distinct attention windows; each layer's row of key_starts is its window's place here
+        self.windows = list(dict.fromkeys(config.sliding_windows))
+        self._table = torch.empty(0, dtype=torch.int64)
+        self._table_pool: list[int] = []  # the pool tensors' addresses the table was built for
 
     @classmethod
     def for_model(
@@ -51,27 +56,53 @@ class FusedDecode:
         embed = weights.embed
         if choice != "kernel" or sharded or not cpu_gemv.gemv_serves(embed.device, embed.dtype):
             return None
+        c = config
+        if c.head_dim % 2 or not decode_kernel_serves(embed.device, embed.dtype, c.num_heads // c.num_kv_heads,
+                                                      c.head_dim):  # fmt: skip
+            return None
         for layer in weights.layers:
             if layer.q_norm is not None or any(plain_weight(getattr(layer, f)) is None for f in LINEAR_FIELDS):
                 return None
         return cls(config, weights, rotary)
 
     def serves(self, rows: int, meta: AttentionMetadata) -> bool:
-        """Whether this step's batch takes the path: decode rows only, few of them. (The caller checks LoRA.)"""
-        return self.enabled and 1 <= rows <= MAX_ROWS and all(g.is_decode for g in meta.groups)
+        """Whether this step's batch takes the path: decode rows only, few of them, in one group (the C attention's,
+        rows in order). (The caller checks LoRA.)"""
+        if not (self.enabled and 1 <= rows <= MAX_ROWS and len(meta.groups) == 1):
+            return False
+        group = meta.groups[0]
+        return group.is_decode and group.block_tables.shape[0] == rows
 
-    def layer(
-        self, i: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-        meta: AttentionMetadata, ops: Ops,
-    ) -> torch.Tensor:  # fmt: skip
-        """Layer i over the residual stream x [rows, hidden]; positions and slots int64 [rows]."""
-        c, layer = self.config, self.weights.layers[i]
-        qkv, o_proj, gate_up, down = (plain_weight(getattr(layer, f)) for f in LINEAR_FIELDS)
-        assert qkv is not None and o_proj is not None and gate_up is not None and down is not None
-        eps = c.rms_norm_eps
-        q = cpu_gemv.decode_attention_in(
-            x, layer.input_norm, eps, qkv, layer.qkv_bias, self.cos, self.sin, positions, slots, cache, c.num_heads
-        )
-        # Decode groups read keys and values from the pool only (written above): q stands in for the new k, v.
-        attn = ops.paged_attention(q, q, q, cache, meta, c.sliding_windows[i])
-        return cpu_gemv.decode_mlp(attn.contiguous(), o_proj, x, layer.post_norm, eps, gate_up, down)
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """Every layer over the residual stream x [rows, hidden] (its embeddings; updated in place and returned)."""
+        c, group = self.config, meta.groups[0]
+        starts = torch.stack([group.key_range(w)[0] for w in self.windows])
+        ends = group.key_range(self.windows[0])[1]
+        _, kv_heads, blocks, block_size, head_dim = kv_caches[0].shape
+        cpu_gemv.decode_layers(
+            x, self._layer_table(kv_caches), self.cos, self.sin, positions.to(torch.int64).contiguous(),
+            meta.slot_mapping.to(torch.int64).contiguous(), group.block_tables.to(torch.int64).contiguous(), starts,
+            ends, c.num_heads, kv_heads, head_dim, c.intermediate_size, block_size, blocks * block_size * head_dim,
+            c.rms_norm_eps,
+        )  # fmt: skip
+        return x
+
+    def _layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """[layers, cpu_gemv.LAYER_FIELDS]: built once, again only if the pool's tensors change."""
+        pool = [cache.data_ptr() for cache in kv_caches]
+        if pool != self._table_pool:
+            rows = []
+            for i, layer in enumerate(self.weights.layers):
+                qkv, o_proj, gate_up, down = (plain_weight(getattr(layer, f)) for f in LINEAR_FIELDS)
+                assert qkv is not None and o_proj is not None and gate_up is not None and down is not None
+                cache = kv_caches[i]
+                assert cache.is_contiguous() and cache.dtype == torch.bfloat16
+                bias = 0 if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+                rows.append([
+                    layer.input_norm.data_ptr(), qkv.data_ptr(), bias, o_proj.data_ptr(), layer.post_norm.data_ptr(),
+                    gate_up.data_ptr(), down.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
+                    self.windows.index(self.config.sliding_windows[i]),
+                ])  # fmt: skip
+            self._table, self._table_pool = torch.tensor(rows, dtype=torch.int64), pool
+        return self._table

@@ -42,7 +42,7 @@ class Model:
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
         self.sharded = reduce is not None or gather_logits is not None  # one rank's part of the model
-        # bf16 decode rows on the CPU: each layer in a few C calls (runtime/models/fused_decode.py), or None
+        # bf16 decode rows on the CPU: every layer in one C call (runtime/models/fused_decode.py), or None
         self.fused_decode = FusedDecode.for_model(config, weights, self.rotary, self.sharded)
         # The LoRA add is an op of its own: layers/ops.py's Ops has none, so the kernels' TritonOps may offer one.
         self.add_lora: Callable[..., torch.Tensor] = getattr(self.ops, "add_lora", torch_lora.add_lora)
@@ -87,10 +87,7 @@ class Model:
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
         fused = self.fused_decode if lora is None and self.fused_decode and self.fused_decode.serves(n, meta) else None
         if fused is not None:
-            positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()
-            for i in range(len(w.layers)):
-                x = fused.layer(i, x, positions, slots, kv_caches[i], meta, ops)
-            return self._logits(x, logits_index)
+            return self._logits(fused.run(x.contiguous(), positions, kv_caches, meta), logits_index)
         rotary = ops.rotary_args(self.rotary, positions)
         for i, layer in enumerate(w.layers):
             h = ops.rms_norm(x, layer.input_norm, eps)

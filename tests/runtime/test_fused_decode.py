@@ -1,5 +1,5 @@
-"""A decode layer in C calls (runtime/models/fused_decode.py over runtime/kernels/cpu_gemv.c) against the ordinary
-ops (runtime/layers/), and the cases where it steps aside for them."""
+"""A decode step's layers in one C call (runtime/models/fused_decode.py over runtime/kernels/cpu_gemv.c) against
+the ordinary ops (runtime/layers/), and the cases where it steps aside for them."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.kernels import cpu_gemv
-from runtime.layers import norm
-from runtime.layers.activation import silu_and_mul
-from runtime.layers.attention import AttentionGroup, AttentionMetadata, write_kv
-from runtime.layers.rotary import RotaryTables, apply_rotary, lookup
+from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.models.fused_decode import FUSED_ENV, MAX_ROWS, FusedDecode
 from runtime.models.quantize import quantize_model
 from tests.support.reference import assert_close_in_bf16
@@ -36,50 +33,81 @@ def within_bf16_units(ours: torch.Tensor, reference: torch.Tensor, units: int) -
     assert excess.max() <= 0, f"worst excess {excess.max().item()}"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4])
-@pytest.mark.parametrize("bias", [False, True])
-def test_attention_half_matches_the_ops(rows: int, bias: bool) -> None:
-    hidden, heads, kv_heads, head_dim, blocks, block_size = 96, 4, 2, 48, 6, 16
-    x, norm_w = bf16(rows, hidden, seed=1, scale=3), (1 + 0.1 * bf16(hidden, seed=2)).to(BF16)
-    n_qkv = (heads + 2 * kv_heads) * head_dim
-    w, b = bf16(n_qkv, hidden, seed=3, scale=0.1), bf16(n_qkv, seed=4) if bias else None
-    tables = RotaryTables(1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), 1.0, 256, BF16)
-    positions = torch.tensor([5, 100, 17, 255][:rows])
-    slots = torch.tensor([3, 40, 77, 95][:rows])
-    cache, reference_cache = (bf16(2, kv_heads, blocks, block_size, head_dim, seed=5) for _ in range(2))
-
-    q = cpu_gemv.decode_attention_in(x, norm_w, 1e-5, w, b, tables.cos, tables.sin, positions, slots, cache, heads)
-
-    qkv = cpu_gemv.gemv(norm.rms_norm(x, norm_w, 1e-5), w, b)  # the linear itself: tests/runtime/test_cpu_gemv.py
-    rq, rk, rv = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    rq, rk = apply_rotary(rq.view(rows, heads, head_dim), rk.view(rows, kv_heads, head_dim),
-                          *lookup(tables.cos, tables.sin, positions))
-    write_kv(reference_cache, rk, rv.reshape(rows, kv_heads, head_dim), slots)
-    within_bf16_units(q, rq, 2)
-    within_bf16_units(cache, reference_cache, 2)  # the slots written, and every other one untouched
-    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(cache.view(2, kv_heads, -1, head_dim)[:, :, untouched],
-                       reference_cache.view(2, kv_heads, -1, head_dim)[:, :, untouched])
+def decode_step(rows: int, num_layers: int, kv_heads: int, head_dim: int, seed: int) -> tuple:  # type: ignore[type-arg]
+    """A decode step of ``rows`` sequences at different positions, each over its own blocks of a random pool."""
+    block_size, per_row = 16, 4
+    positions = torch.tensor([5, 40, 17, 63][:rows])
+    tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row).flip(1).contiguous()  # not in order
+    slots = tables.gather(1, (positions // block_size)[:, None]).flatten() * block_size + positions % block_size
+    group = AttentionGroup(torch.arange(rows), tables, positions, 0, is_decode=True, block_size=block_size)
+    caches = [bf16(2, kv_heads, rows * per_row, block_size, head_dim, seed=seed + i) for i in range(num_layers)]
+    tokens = torch.tensor([11, 3, 250, 77][:rows])
+    return tokens, positions, caches, AttentionMetadata(slots, [group]), torch.arange(rows), slots
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_mlp_half_matches_the_ops(rows: int) -> None:
-    hidden, attn_width, inter = 96, 192, 256
-    attn, x = bf16(rows, attn_width, seed=6), bf16(rows, hidden, seed=7, scale=3)
-    o_w, post = bf16(hidden, attn_width, seed=8, scale=0.1), (1 + 0.1 * bf16(hidden, seed=9)).to(BF16)
-    gate_up, down = bf16(2 * inter, hidden, seed=10, scale=0.1), bf16(hidden, inter, seed=11, scale=0.1)
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The whole step in one call against the model's ordinary ops on the same step: logits, and the pool (the new
+    rows written at their slots, every other row untouched). GQA, a sliding window shorter than the context
+    (mistral: 24) and a qkv bias (qwen2); rows at positions in other blocks, tables not in block order. The
+    ordinary ops' linears take the same gemv kernel for every row count here, so sums differ in order only in
+    the norms and attention."""
+    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", MAX_ROWS)
+    model = LLM.from_hf(tiny_model_dir(family), dtype="bfloat16").engine.runner.model
+    c = model.config
+    assert model.fused_decode is not None
+    tokens, positions, caches, meta, logits_index, slots = decode_step(rows, c.num_layers, c.num_kv_heads,
+                                                                       c.head_dim, seed=20)  # fmt: skip
+    reference_caches = [cache.clone() for cache in caches]
+    called: list[int] = []
+    run = FusedDecode.run
+    model.fused_decode.run = lambda *a: called.append(1) or run(model.fused_decode, *a)  # type: ignore[method-assign]
+    ours = model.forward(tokens, positions, caches, meta, logits_index)
+    assert called
+    model.fused_decode.enabled = False
+    reference = model.forward(tokens, positions, reference_caches, meta, logits_index)
+    # one bf16 unit of a rotated key (the two rotaries round alike but for ties) moves logits of scale 7 by up to
+    # 0.13 two layers on; a wrong key range, slot or head moves them by their spread (about 2)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0.03 * float(reference.abs().max()))
+    assert (ours - reference).abs().mean() < 0.01 * reference.std()
+    for cache, reference_cache in zip(caches, reference_caches, strict=True):
+        written = cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, slots]
+        expected = reference_cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, slots]
+        torch.testing.assert_close(written, expected, rtol=0.03, atol=0.03)
+        untouched = torch.ones(cache[0, 0].numel() // c.head_dim, dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, untouched],
+                           reference_cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, untouched])
 
-    ours = cpu_gemv.decode_mlp(attn, o_w, x, post, 1e-5, gate_up, down)
 
-    h, summed = norm.add_rms_norm(cpu_gemv.gemv(attn, o_w), x, post, 1e-5)
-    reference = summed + cpu_gemv.gemv(silu_and_mul(cpu_gemv.gemv(h, gate_up)), down)
-    within_bf16_units(ours, reference, 4)
+def test_the_window_is_what_keeps_the_step_with_the_ops(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """mistral's window (24) reaches the C attention: with the key ranges' starts forced to 0 the step parts from
+    the ordinary ops' at positions 40 and 63 by far more than the tolerance above, and not at position 5."""
+    model = LLM.from_hf(tiny_model_dir("mistral"), dtype="bfloat16").engine.runner.model
+    c = model.config
+    assert model.fused_decode is not None and set(c.sliding_windows) == {24}
+    step = decode_step(4, c.num_layers, c.num_kv_heads, c.head_dim, seed=30)
+    model.fused_decode.enabled = False
+    reference = model.forward(*step[:2], [cache.clone() for cache in step[2]], *step[3:5])
+    model.fused_decode.enabled = True
+    step[3].groups[0].key_ranges.clear()
+    key_range = AttentionGroup.key_range
+
+    def no_window(group: AttentionGroup, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = key_range(group, window)
+        return torch.zeros_like(start), end
+
+    monkeypatch.setattr(AttentionGroup, "key_range", no_window)
+    unwindowed = model.forward(*step[:2], [cache.clone() for cache in step[2]], *step[3:5])
+    gap = (unwindowed - reference).abs().amax(dim=1)
+    assert gap[0] < 0.03 * float(reference.abs().max())  # position 5: all of its keys are in the window anyway
+    assert (gap[[1, 3]] > 0.1 * float(reference.abs().max())).all()
 
 
 def decode_meta(rows: int, prefill: bool = False) -> AttentionMetadata:
-    group = AttentionGroup(slice(0, rows), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(rows), 0,
-                           is_decode=not prefill, block_size=16)
+    tables = torch.zeros(1 if prefill else rows, 1, dtype=torch.int64)
+    group = AttentionGroup(slice(0, rows), tables, torch.zeros(rows), 0, is_decode=not prefill, block_size=16)
     return AttentionMetadata(torch.arange(rows), [group])
 
 
@@ -90,6 +118,9 @@ def test_serves_decode_rows_only(tiny_model_dir) -> None:  # type: ignore[no-unt
     assert fused.serves(1, decode_meta(1)) and fused.serves(MAX_ROWS, decode_meta(MAX_ROWS))
     assert not fused.serves(MAX_ROWS + 1, decode_meta(MAX_ROWS + 1))
     assert not fused.serves(3, decode_meta(3, prefill=True))
+    split = decode_meta(2)  # decode rows in two groups (the PyTorch attention's split by length): not one call's
+    split.groups = [decode_meta(1).groups[0], decode_meta(1).groups[0]]
+    assert not fused.serves(2, split)
     fused.enabled = False
     assert not fused.serves(1, decode_meta(1))
 
@@ -105,6 +136,9 @@ def test_steps_aside_where_it_does_not_serve(tiny_model_dir, monkeypatch: pytest
     assert FusedDecode.for_model(model.config, model.weights, model.rotary, sharded=True) is None
     int8 = quantize_model(model.weights, "int8")
     assert FusedDecode.for_model(model.config, int8, model.rotary, sharded=False) is None
+    monkeypatch.setenv("WARMSTART_CPU_ATTENTION", "torch")  # its attention is the C decode kernel's
+    assert fused_for("llama") is None
+    monkeypatch.delenv("WARMSTART_CPU_ATTENTION")
     monkeypatch.setenv(FUSED_ENV, "torch")
     assert fused_for("llama") is None
     monkeypatch.setenv(FUSED_ENV, "on")
@@ -122,11 +156,11 @@ def test_engine_decodes_close_to_the_reference(family: str, tiny_model_dir, monk
     llm = LLM.from_hf(model_dir, dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.fused_decode is not None
-    layers_run: list[int] = []
-    layer = FusedDecode.layer
-    monkeypatch.setattr(FusedDecode, "layer", lambda self, i, *a: layers_run.append(i) or layer(self, i, *a))
+    steps_run: list[int] = []
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, x, *a: steps_run.append(x.shape[0]) or run(self, x, *a))
     ours = llm.generate(prompts, params)
-    assert layers_run and set(layers_run) == set(range(len(model.weights.layers)))
+    assert steps_run and set(steps_run) <= {1, 2}
     model.fused_decode.enabled = False
     model.ops.gemv_kernel = False  # type: ignore[attr-defined]
     reference = llm.generate(prompts, params)
@@ -150,6 +184,6 @@ def test_a_step_with_lora_takes_the_ordinary_ops(tiny_model_dir, monkeypatch: py
     with_lora = model.forward(*step, lora=object())  # type: ignore[arg-type]
     assert added.count("qkv") == len(model.weights.layers)
     fused_logits = model.forward(*step)  # the same step without LoRA: the fused path, same logits within bf16
-    monkeypatch.setattr(FusedDecode, "layer", no_fused_layer)
+    monkeypatch.setattr(FusedDecode, "run", no_fused_layer)
     assert model.forward(*step, lora=object()).shape == with_lora.shape  # type: ignore[arg-type]
     torch.testing.assert_close(fused_logits, with_lora, rtol=0.05, atol=0.05)

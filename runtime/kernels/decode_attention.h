@@ -1,0 +1,263 @@
+/* Decode attention over the paged KV pool for one (sequence, KV head) pair: the core of cpu_attention.c's
+ * ``decode`` (its comment describes the layout), shared with cpu_gemv.c's whole-token decode, which runs it between
+ * the layer's matmuls in one parallel region. Static functions in a header: each extension compiles its own copy. */
+#ifndef WARMSTART_DECODE_ATTENTION_H
+#define WARMSTART_DECODE_ATTENTION_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_HEAD_DIM 512
+#define MAX_GROUP 16 /* query heads per KV head */
+
+typedef struct {
+    void *out;
+    const void *q, *k, *v;
+    const int64_t *tables, *key_start, *key_end;
+    int64_t batch, heads, kv_heads, head_dim, block_size, table_width, head_stride;
+    float scale;
+    int bf16;
+    int block_shift; /* log2(block_size), or -1 when it is not a power of two */
+} DecodeArgs;
+
+/* One pool row (a key or a value of one head) as float32. */
+static inline void load_row(const DecodeArgs *a, const void *pool, int64_t offset, float *dst) {
+    const int64_t d_len = a->head_dim;
+    if (a->bf16) {
+        const uint16_t *src = (const uint16_t *)pool + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < d_len; d++) dst[d] = bf16_to_f32(src[d]);
+    } else {
+        memcpy(dst, (const float *)pool + offset, (size_t)d_len * sizeof(float));
+    }
+}
+
+static inline int64_t pool_offset(const DecodeArgs *a, const int64_t *table, int64_t h, int64_t j) {
+    return h * a->head_stride + (table[j / a->block_size] * a->block_size + j % a->block_size) * a->head_dim;
+}
+
+/* pool_offset without a division per key when block_size is a power of two (as the engine's always is). */
+static inline int64_t row_offset(const DecodeArgs *a, const int64_t *table, int64_t h, int64_t j) {
+    if (a->block_shift < 0) return pool_offset(a, table, h, j);
+    const int64_t mask = ((int64_t)1 << a->block_shift) - 1;
+    return h * a->head_stride + ((table[j >> a->block_shift] << a->block_shift) + (j & mask)) * a->head_dim;
+}
+
+/* Sequence b, KV head h: its query heads h*G .. h*G+G-1. ``scores`` holds G * (key_end - key_start) floats.
+ * Portable C; attend_avx512 below is the same computation where the CPU has AVX-512. */
+__attribute__((target_clones("avx2", "default")))
+static void attend(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
+    const int64_t d_len = a->head_dim, group = a->heads / a->kv_heads;
+    const int64_t start = a->key_start[b], n = a->key_end[b] - start;
+    const int64_t *table = a->tables + b * a->table_width;
+    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+    float max[MAX_GROUP], sum[MAX_GROUP];
+
+    for (int64_t g = 0; g < group; g++) {
+        load_row(a, a->q, (b * a->heads + h * group + g) * d_len, q[g]);
+        for (int64_t d = 0; d < d_len; d++) {
+            q[g][d] *= a->scale;
+            acc[g][d] = 0.f;
+        }
+        max[g] = -INFINITY;
+        sum[g] = 0.f;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        load_row(a, a->k, row_offset(a, table, h, start + i), row);
+        for (int64_t g = 0; g < group; g++) {
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < d_len; d++) s += q[g][d] * row[d];
+            scores[g * n + i] = s;
+            if (s > max[g]) max[g] = s;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * n, total = 0.f;
+        for (int64_t i = 0; i < n; i++) {
+            sg[i] = expf(sg[i] - max[g]);
+            total += sg[i];
+        }
+        sum[g] = total;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        load_row(a, a->v, row_offset(a, table, h, start + i), row);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * n + i];
+#pragma omp simd
+            for (int64_t d = 0; d < d_len; d++) acc[g][d] += p * row[d];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t offset = (b * a->heads + h * group + g) * d_len;
+        const float inv = n > 0 ? 1.f / sum[g] : 0.f;
+        for (int64_t d = 0; d < d_len; d++) {
+            const float x = acc[g][d] * inv;
+            if (a->bf16)
+                ((uint16_t *)a->out)[offset + d] = f32_to_bf16(x);
+            else
+                ((float *)a->out)[offset + d] = x;
+        }
+    }
+}
+
+/* AVX-512: head_dim a multiple of 16, one zmm per 16 elements of a row. Written out by hand because the
+ * compiler vectorizes the portable version poorly: a horizontal sum per dot product, expf one value at a time. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+AVX512 static inline __m512 load16(const DecodeArgs *a, const void *base, int64_t offset) {
+    if (a->bf16) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+
+/* exp(x) for x <= 0, to about 2 ulp: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
+ * polynomial; values below -104 flush to 0 through scalef's underflow. */
+AVX512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane j of the result is the sum of v[j]'s 16 lanes: a transpose-and-add tree, about 3 instructions per
+ * vector where one horizontal sum each costs 8. */
+AVX512 static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 pairs[8], quads[4];
+    for (int k = 0; k < 8; k++) /* per 128-bit segment: [v2k 0+2, v2k+1 0+2, v2k 1+3, v2k+1 1+3] */
+        pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                                 _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) { /* per segment: the segment's sum for each of v4k .. v4k+3 */
+        const __m512d x = _mm512_castps_pd(pairs[2 * k]), y = _mm512_castps_pd(pairs[2 * k + 1]);
+        quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xdd));
+}
+
+/* The rows of a block that follows are far away in the pool: fetch them while this block is computed. */
+static inline void prefetch_rows(const DecodeArgs *a, const void *pool, int64_t offset, int64_t rows) {
+    const char *p = (const char *)pool + offset * (a->bf16 ? 2 : 4);
+    const int64_t bytes = rows * a->head_dim * (a->bf16 ? 2 : 4);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
+}
+
+/* How many keys from key j on form one tile: at most 16, within j's block, within the ``left`` still to go. */
+static inline int64_t tile_length(const DecodeArgs *a, int64_t j, int64_t left) {
+    int64_t m = a->block_size - j % a->block_size;
+    if (m > 16) m = 16;
+    return m < left ? m : left;
+}
+
+/* Keys are taken in tiles of up to 16 that lie in one block (rows contiguous in the pool). Inlined with
+ * ``chunks`` (head_dim / 16) a constant for the common head sizes, so that a row's vectors stay in registers. */
+AVX512 static inline __attribute__((always_inline)) void attend_avx512_impl(const DecodeArgs *a, int64_t b, int64_t h,
+                                                                             float *scores, const int64_t chunks) {
+    const int64_t d_len = a->head_dim, group = a->heads / a->kv_heads;
+    const int64_t start = a->key_start[b], n = a->key_end[b] - start;
+    const int64_t *table = a->tables + b * a->table_width;
+    /* Flat, so that a small group's vectors sit together. */
+    __m512 q[MAX_GROUP * MAX_HEAD_DIM / 16], acc[MAX_GROUP * MAX_HEAD_DIM / 16], dots[MAX_GROUP * 16];
+    __m512 row[MAX_HEAD_DIM / 16 > 16 ? MAX_HEAD_DIM / 16 : 16];
+    __m512 max_v[MAX_GROUP];
+
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t offset = (b * a->heads + h * group + g) * d_len;
+        for (int64_t c = 0; c < chunks; c++) {
+            q[g * chunks + c] = _mm512_mul_ps(load16(a, a->q, offset + 16 * c), scale);
+            acc[g * chunks + c] = _mm512_setzero_ps();
+        }
+        max_v[g] = _mm512_set1_ps(-INFINITY);
+    }
+    for (int64_t i = 0, m; i < n; i += m) {
+        const int64_t j = start + i, offset = row_offset(a, table, h, j);
+        m = tile_length(a, j, n - i);
+        if (i + m < n) prefetch_rows(a, a->k, row_offset(a, table, h, j + m), m);
+        for (int64_t t = 0; t < 16; t++) {
+            if (t >= m) {
+                for (int64_t g = 0; g < group; g++) dots[g * 16 + t] = _mm512_setzero_ps();
+                continue;
+            }
+            for (int64_t c = 0; c < chunks; c++) row[c] = load16(a, a->k, offset + t * d_len + 16 * c);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 dot = _mm512_mul_ps(q[g * chunks], row[0]);
+                for (int64_t c = 1; c < chunks; c++) dot = _mm512_fmadd_ps(q[g * chunks + c], row[c], dot);
+                dots[g * 16 + t] = dot;
+            }
+        }
+        const __mmask16 valid = (__mmask16)((1u << m) - 1);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 s = sum_lanes16(dots + g * 16);
+            _mm512_mask_storeu_ps(scores + g * n + i, valid, s);
+            max_v[g] = _mm512_mask_max_ps(max_v[g], valid, max_v[g], s);
+        }
+    }
+    float sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * n;
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(max_v[g]));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 valid = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sg + i), max));
+            _mm512_mask_storeu_ps(sg + i, valid, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(valid, e));
+        }
+        sum[g] = _mm512_reduce_add_ps(total);
+    }
+    for (int64_t i = 0, m; i < n; i += m) {
+        const int64_t j = start + i, offset = row_offset(a, table, h, j);
+        m = tile_length(a, j, n - i);
+        if (i + m < n) prefetch_rows(a, a->v, row_offset(a, table, h, j + m), m);
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t t = 0; t < m; t++) row[t] = load16(a, a->v, offset + t * d_len + 16 * c);
+            for (int64_t g = 0; g < group; g++) {
+                const float *p = scores + g * n + i;
+                __m512 out = acc[g * chunks + c];
+                for (int64_t t = 0; t < m; t++) out = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), row[t], out);
+                acc[g * chunks + c] = out;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t offset = (b * a->heads + h * group + g) * d_len;
+        const __m512 inv = _mm512_set1_ps(n > 0 ? 1.f / sum[g] : 0.f);
+        float x[16];
+        for (int64_t c = 0; c < chunks; c++) {
+            _mm512_storeu_ps(x, _mm512_mul_ps(acc[g * chunks + c], inv));
+            for (int d = 0; d < 16; d++) {
+                if (a->bf16)
+                    ((uint16_t *)a->out)[offset + 16 * c + d] = f32_to_bf16(x[d]);
+                else
+                    ((float *)a->out)[offset + 16 * c + d] = x[d];
+            }
+        }
+    }
+}
+
+AVX512 static void attend_avx512(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
+    switch (a->head_dim) {
+    case 64: attend_avx512_impl(a, b, h, scores, 4); break;
+    case 128: attend_avx512_impl(a, b, h, scores, 8); break;
+    default: attend_avx512_impl(a, b, h, scores, a->head_dim / 16);
+    }
+}
+
+#endif
