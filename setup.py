@@ -1,7 +1,7 @@
 """The compiled parts: decode attention's C kernel (runtime/kernels/cpu_attention.c), the fused small ops
-(runtime/kernels/cpu_small_ops.c) and the bf16 matrix-vector products (runtime/kernels/cpu_gemv.c). Everything
-else is in pyproject.toml. Optional: without a C compiler the install still succeeds and runtime/layers/ uses its
-PyTorch paths."""
+(runtime/kernels/cpu_small_ops.c), the bf16 matrix-vector products (runtime/kernels/cpu_gemv.c) and the batched
+LoRA adds (runtime/kernels/cpu_lora.c). Everything else is in pyproject.toml. Optional: without a C compiler the
+install still succeeds and runtime/layers/ uses its PyTorch paths."""
 
 from setuptools import Extension, setup
 
@@ -21,6 +21,14 @@ setup(
             depends=["runtime/kernels/bf16.h"],
             # no fused multiply-add: the kernels round where their PyTorch references do
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
+        Extension(  # many LoRA adapters over one bf16 batch, one call per linear (runtime/kernels/cpu_lora.py)
+            "runtime.kernels._cpu_lora",
+            sources=["runtime/kernels/cpu_lora.c"],
+            depends=["runtime/kernels/bf16.h"],
+            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
         ),

@@ -8,11 +8,12 @@ The model is the SmolLM2-135M shape (random weights, bf16). Eight random rank-``
 q/k/v/o/gate/up/down are written in PEFT's format (adapter_config.json by peft's LoraConfig). Round after round,
 the arms' order rotating, warmstart runs the same ``--requests`` requests (fresh random prompts, greedy, EOS
 ignored, prefix caching off) as (mixed) one burst whose request i names adapter i % 8, served unmerged from 8
-slots; (base) the same burst on the same engine with no adapter; (merged) the same burst on an engine whose
-weights have adapter 0 merged in. Reported: generated tokens/s and the median time to first token of the
-burst's requests (arrival to first token), per round and as medians, and the ratios per round (goal: mixed >=
-0.8x base at rank 16). Then, alternating, the time to first token of one fresh prompt alone behind an adapter and
-without one.
+slots, the LoRA adds on the bf16 CPU kernel (runtime/kernels/cpu_lora.c) where it serves; (mixed-torch) the same
+burst on the same engine with the LoRA adds on the PyTorch path (runtime/layers/lora.py, the reference); (base)
+the same burst on the same engine with no adapter; (merged) the same burst on an engine whose weights have adapter
+0 merged in. Reported: generated tokens/s and the median time to first token of the burst's requests (arrival to
+first token), per round and as medians, and the ratios per round (goal: mixed >= 0.8x base at rank 16). Then,
+alternating, the time to first token of one fresh prompt alone behind an adapter and without one.
 
 --vllm also runs benchmarks/peers/run_vllm_lora.py with vLLM's venv (/work/peers/vllm/.venv): vLLM's CPU build
 with --enable-lora (max_loras 8) on the same requests and adapters, its own mixed and base rounds alternating
@@ -119,14 +120,25 @@ def engine(model: Path, max_seqs: int, rank: int, loras: dict[str, Path] | None 
     return LLM(eng)
 
 
-def burst(llm: Any, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> tuple[float, float]:
-    """(generated tokens/s, median time to first token) of one burst."""
+def burst(
+    llm: Any, prompts: list[list[int]], adapters: list[str | None], max_tokens: int, torch_lora: bool = False
+) -> tuple[float, float]:
+    """(generated tokens/s, median time to first token) of one burst; ``torch_lora``: the LoRA adds on the PyTorch
+    path for this burst."""
     from runtime import SamplingParams
+    from runtime.layers.lora import add_lora
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, adapter=adapters)
-    seconds = time.perf_counter() - start
+    model = llm.engine.runner.model
+    chosen = model.add_lora
+    if torch_lora:
+        model.add_lora = add_lora
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, adapter=adapters)
+        seconds = time.perf_counter() - start
+    finally:
+        model.add_lora = chosen
     assert all(len(o.token_ids) == max_tokens for o in outs)
     ttft = statistics.median(o.timestamps.first_token - o.timestamps.arrival for o in outs)
     return sum(len(o.token_ids) for o in outs) / seconds, ttft
@@ -177,6 +189,7 @@ def main() -> None:
 
     import torch
 
+    from runtime.layers.lora import add_lora
     from runtime.models.config import ModelConfig
 
     if args.threads:
@@ -193,16 +206,18 @@ def main() -> None:
         paths = save_adapters(model, tmp / "adapters", args.rank)
         lora_llm = engine(model, args.requests, args.rank, paths)
         merged_llm = engine(merged_model(model, paths[names[0]], tmp / "merged"), args.requests, args.rank)
-        arms = {"mixed": (lora_llm, mixed), "base": (lora_llm, none), "merged": (merged_llm, none)}
-        for llm, adapters in arms.values():  # warm-up: every adapter paged in, every path run once
-            burst(llm, prompts[:NUM_ADAPTERS], adapters[:NUM_ADAPTERS], 2)
+        kernel = lora_llm.engine.runner.model.add_lora is not add_lora
+        arms = {"mixed": (lora_llm, mixed, False), "mixed-torch": (lora_llm, mixed, True),
+                "base": (lora_llm, none, False), "merged": (merged_llm, none, False)}
+        for llm, adapters, torch_path in arms.values():  # warm-up: every adapter paged in, every path run once
+            burst(llm, prompts[:NUM_ADAPTERS], adapters[:NUM_ADAPTERS], 2, torch_path)
         rates: dict[str, list[float]] = {k: [] for k in arms}
         ttfts: dict[str, list[float]] = {k: [] for k in arms}
         order = list(arms)
         for r in range(args.rounds):
-            for key in order[r % 3 :] + order[: r % 3]:
-                llm, adapters = arms[key]
-                rate, ttft = burst(llm, prompts, adapters, args.max_tokens)
+            for key in order[r % len(order) :] + order[: r % len(order)]:
+                llm, adapters, torch_path = arms[key]
+                rate, ttft = burst(llm, prompts, adapters, args.max_tokens, torch_path)
                 rates[key].append(rate)
                 ttfts[key].append(ttft)
         single: dict[str, list[float]] = {"adapter": [], "base": []}
@@ -216,12 +231,15 @@ def main() -> None:
         vllm = (run_vllm(model, paths, prompts, args.max_tokens, args.rank, args.rounds, threads, tmp)
                 if args.vllm else None)
     per_round = [m / b for m, b in zip(rates["mixed"], rates["base"], strict=True)]
+    torch_per_round = [m / b for m, b in zip(rates["mixed-torch"], rates["base"], strict=True)]
     med = {k: statistics.median(v) for k, v in rates.items()}
     result = {
         "model": args.config.stem, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "rank": args.rank, "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(), "tok_s": rates, "ttft_s": ttfts,
         "mixed_over_base_per_round": per_round, "mixed_over_base": statistics.median(per_round),
+        "lora_kernel": kernel, "mixed_torch_over_base_per_round": torch_per_round,
+        "mixed_torch_over_base": statistics.median(torch_per_round),
         "merged_over_base": statistics.median(m / b for m, b in zip(rates["merged"], rates["base"], strict=True)),
         "single_ttft_base_s": statistics.median(single["base"]),
         "single_ttft_adapter_s": statistics.median(single["adapter"]),
@@ -233,13 +251,16 @@ def main() -> None:
     print(f"{args.requests} requests of {args.prompt_tokens} prompt tokens, {args.max_tokens} generated each, "
           f"{args.config.stem} (random bf16), rank {args.rank}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads")
-    for key, label in (("mixed", "8 adapters mixed (unmerged)"), ("base", "base alone"),
+    mixed_label = "8 adapters mixed, C kernel" if kernel else "8 adapters mixed (no kernel)"
+    for key, label in (("mixed", mixed_label), ("mixed-torch", "8 adapters mixed, PyTorch"), ("base", "base alone"),
                        ("merged", "one adapter merged")):
         rounds = " ".join(f"{x:7.1f}" for x in rates[key])
         print(f"  {label:28s} tok/s median {med[key]:7.1f} (rounds {rounds}), burst TTFT median "
               f"{statistics.median(ttfts[key]) * 1e3:6.0f} ms")
     print(f"  mixed/base per round: {' '.join(f'{x:.3f}' for x in per_round)}; median "
           f"{result['mixed_over_base']:.3f} (goal >= 0.8); merged/base {result['merged_over_base']:.3f}")
+    print(f"  mixed-torch/base per round: {' '.join(f'{x:.3f}' for x in torch_per_round)}; median "
+          f"{result['mixed_torch_over_base']:.3f}")
     print(f"  one fresh prompt alone, time to first token: base {result['single_ttft_base_s'] * 1e3:.1f} ms, "
           f"behind an adapter {result['single_ttft_adapter_s'] * 1e3:.1f} ms")
     print(f"  adapter loads {stats.loads}, {stats.load_seconds * 1e3:.1f} ms in all")

@@ -100,6 +100,9 @@ class LoraStep:
     # gathered. Chosen when the rows spread evenly enough over the slots (decode steps, mostly).
     by_slot: bool = False
     modules: frozenset[str] = field(default_factory=frozenset)  # fused modules any of the step's adapters adapts
+    # fused module -> each slot's rank where its adapter adapts that module, else 0: int64 [slots] on the CPU, for
+    # the CPU kernel (runtime/kernels/cpu_lora.py), which computes only those ranks' columns
+    module_ranks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tiles(self) -> int:
@@ -159,6 +162,8 @@ def lora_step(row_slots: list[int], slots: LoraSlots, device: torch.device) -> L
         rank=slots.max_rank if by_slot else max(slots.ranks[s] for s in present_list),
         by_slot=by_slot,
         modules=frozenset().union(*(slots.targets[s] for s in present_list)),
+        module_ranks={m: torch.tensor([r if m in t else 0 for r, t in zip(slots.ranks, slots.targets, strict=True)])
+                      for m in MODULES},
     )
 
 

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import cpu_lora
 from runtime.layers import lora as torch_lora
 from runtime.layers.attention import AttentionMetadata
 from runtime.layers.lora import LoraStep
@@ -44,8 +45,11 @@ class Model:
         self.sharded = reduce is not None or gather_logits is not None  # one rank's part of the model
         # bf16 decode rows on the CPU: every layer in one C call (runtime/models/fused_decode.py), or None
         self.fused_decode = FusedDecode.for_model(config, weights, self.rotary, self.sharded)
-        # The LoRA add is an op of its own: layers/ops.py's Ops has none, so the kernels' TritonOps may offer one.
-        self.add_lora: Callable[..., torch.Tensor] = getattr(self.ops, "add_lora", torch_lora.add_lora)
+        # The LoRA add is an op of its own: layers/ops.py's Ops has none, so the kernels' TritonOps may offer one;
+        # bf16 on the CPU takes the C kernel (runtime/kernels/cpu_lora.py) where it serves.
+        self.add_lora: Callable[..., torch.Tensor] = getattr(self.ops, "add_lora", None) or (
+            cpu_lora.add_lora if cpu_lora.lora_kernel_serves(device, self.dtype) else torch_lora.add_lora
+        )
 
     def forward(
         self,

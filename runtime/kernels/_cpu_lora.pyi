@@ -1,0 +1,8 @@
+# The C extension built from runtime/kernels/cpu_lora.c; pointers are tensors' data_ptr().
+
+def sgmv(
+    y: int, y_stride: int, x: int, x_stride: int, a: int, b: int, rows: int, seg_slots: int, starts: int, ends: int,
+    ranks: int, n: int, m: int, num_segs: int, num_slots: int, in_features: int, max_rank: int,
+    slice_outs: tuple[int, int, int], num_threads: int, /,
+) -> None: ...
+def has_avx512_bf16() -> bool: ...

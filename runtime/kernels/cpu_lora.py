@@ -1,0 +1,78 @@
+"""Many LoRA adapters over one bf16 step on the CPU (runtime/kernels/cpu_lora.c): each fused linear's shrink and
+expand for every row of the flat batch in one call, added into the base output in place.
+
+The PyTorch path (runtime/layers/lora.add_lora: a gather, two to four batched matmuls, a cat and an index_add per
+linear) stays the reference and the path for float32 models (whose arithmetic the transformers + PEFT comparison
+pins down), other devices, CPUs without AVX512-BF16, installs built without a C compiler, and
+``WARMSTART_CPU_LORA=torch``.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from runtime.layers.lora import LoraStep
+from runtime.layers.lora import add_lora as torch_add_lora
+
+_ext: ModuleType | None
+try:  # built by setup.py; absent where the install had no C compiler
+    from runtime.kernels import _cpu_lora as _ext
+except ImportError:  # pragma: no cover - depends on the install
+    _ext = None
+
+LORA_ENV = "WARMSTART_CPU_LORA"
+LORA_CHOICES = ("kernel", "torch")
+MAX_SLICES = 3
+
+
+def cpu_supported() -> bool:
+    """Whether this install has the kernel and this CPU the instructions it needs."""
+    return _ext is not None and bool(_ext.has_avx512_bf16())
+
+
+def lora_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel serves LoRA for a model on ``device`` in ``dtype`` (``WARMSTART_CPU_LORA=torch`` turns it
+    off); ``add_lora`` then takes every call, falling back to the PyTorch path for tensors it does not take."""
+    choice = os.environ.get(LORA_ENV) or "kernel"
+    if choice not in LORA_CHOICES:
+        raise ValueError(f"{LORA_ENV}={choice!r} is not one of {', '.join(LORA_CHOICES)}")
+    return choice == "kernel" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_supported()
+
+
+def takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernel takes these: bf16 CPU tensors, y [n, out] and x [n, in] with contiguous rows, the slot
+    stacks contiguous, at most MAX_SLICES slices."""
+    return (
+        y.dtype == x.dtype == a.dtype == b.dtype == torch.bfloat16
+        and y.device.type == x.device.type == a.device.type == "cpu"
+        and y.dim() == x.dim() == 2
+        and y.shape[0] == x.shape[0]
+        and y.stride(-1) == 1
+        and x.stride(-1) == 1
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.shape[2] <= MAX_SLICES
+        and a.shape[1] == x.shape[1]
+        and b.shape[2] == y.shape[1]
+    )
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, module: str) -> torch.Tensor:
+    """``y`` (the base linear's output for ``x``, [n, out]) plus each row's adapter's B @ A @ x, in place: as
+    runtime/layers/lora.add_lora, in one kernel call (float32 sums, one rounding of y + delta; see cpu_lora.c)."""
+    if module not in step.modules:
+        return y
+    a, b = step.slots.a[layer][module], step.slots.b[layer][module]
+    if _ext is None or not takes(y, x, a, b) or not step.module_ranks:
+        return torch_add_lora(y, x, step, layer, module)
+    outs = step.slots.out_slices[module]
+    _ext.sgmv(
+        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(), step.rows.data_ptr(),
+        step.tile_slots.data_ptr(), step.tile_starts.data_ptr(), step.tile_ends.data_ptr(),
+        step.module_ranks[module].data_ptr(), y.shape[0], step.rows.numel(), step.num_tiles, a.shape[0],
+        a.shape[1], a.shape[3], (*outs, *[0] * (MAX_SLICES - len(outs))), torch.get_num_threads(),
+    )  # fmt: skip
+    return y
