@@ -208,6 +208,11 @@ def _lora_metrics(stats: LoraStats, name: list[str]) -> Iterator[Metric]:
         family = CounterMetricFamily(PREFIX + f"lora_cache_{key}", doc, labels=["model_name"])
         family.add_metric(name, getattr(stats, key))
         yield family
+    errors = CounterMetricFamily(PREFIX + "lora_load_errors", "LoRA adapter page-ins whose load failed (a blob "
+                                 "gone or corrupt); the requests waiting for that adapter were aborted.",
+                                 labels=["model_name"])
+    errors.add_metric(name, stats.load_errors)
+    yield errors
 
 
 def _tensor_parallel_metrics(rank_loads: list[dict[str, Any]], comm: CommStats) -> Iterator[Metric]:
