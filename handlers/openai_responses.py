@@ -81,15 +81,18 @@ class Reply:
         return self._with_prompt_logprobs(choice, out)
 
     def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any] | None:
-        """The SSE chunk for what ``out`` adds, or None when it adds nothing a client would see. ``first``: the
-        request's first output; each choice's first chunk is sent whatever it holds (n > 1: per index)."""
+        """The SSE chunk for what ``out`` adds, or None when it adds nothing. ``first``: the request's first
+        output; each choice's first chunk is sent whatever it holds (n > 1: per index). A step that brings
+        tokens whose text is held back (part of a UTF-8 character, a possible stop string) still gets its chunk,
+        with empty text, as vLLM sends it: clients time tokens by chunks (vLLM's load tester's inter-token
+        latency) and count them so."""
         first = out.index not in self.started
         self.started.add(out.index)
         if out.finished:
             self.finals[out.index] = out
         new = out.new_token_ids
         new_lps = (out.logprobs or [])[len(out.token_ids) - len(new) :] if self.gen.logprobs is not None else []
-        if not (out.new_text or new_lps or out.finished or first):
+        if not (new or out.new_text or new_lps or out.finished or first):
             return None
         logprobs = self._with_echo(out, out.index, new_lps, first)
         reason = out.finish_reason if out.finished else None

@@ -184,6 +184,21 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_the_reason(client: Tes
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == whole["choices"][0]["message"]["content"]
 
 
+def test_stream_sends_a_chunk_per_token_while_its_text_is_held_back(client: TestClient) -> None:
+    """A stop string longer than the reply holds its text back until the end; each token still gets its chunk,
+    with empty text, as vLLM streams (its load tester times inter-token latency by chunks), and the texts still
+    add up to the whole reply. Chat the same, with empty content deltas."""
+    never = {"stop": ["~" * 64]}  # 63 characters held back at every step
+    whole = client.post("/v1/completions", json={"prompt": "Once upon a time", **GREEDY, **never}).json()
+    r = client.post("/v1/completions", json={"prompt": "Once upon a time", **GREEDY, **never, "stream": True})
+    chunks = sse_events(r.text)
+    assert len(chunks) == whole["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert chunks[1]["choices"][0]["text"] == ""
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    chunks = sse_events(client.post("/v1/chat/completions", json=chat(SYSTEM_TEXT, stream=True, **never)).text)
+    assert len(chunks) == GREEDY["max_tokens"] and chunks[1]["choices"][0]["delta"] == {"content": ""}
+
+
 # -- errors -----------------------------------------------------------------------------------------------------
 
 LONG = list(range(5, 305))  # 300 tokens: more than max_model_len 256
