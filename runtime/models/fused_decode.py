@@ -19,7 +19,7 @@ import torch
 
 from runtime.kernels import cpu_gemv
 from runtime.layers.attention import AttentionMetadata, decode_kernel_serves
-from runtime.layers.linear import plain_weight
+from runtime.layers.linear import LinearWeight, plain_weight
 from runtime.layers.rotary import RotaryTables
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LINEAR_FIELDS, ModelWeights
@@ -43,7 +43,10 @@ class FusedDecode:
         # the distinct attention windows; each layer's row of key_starts is its window's place here
         self.windows = list(dict.fromkeys(config.sliding_windows))
         self._table = torch.empty(0, dtype=torch.int64)
-        self._table_pool: list[int] = []  # the pool tensors' addresses the table was built for
+        # what the table was built from: the pool's addresses, and the layers' weight objects (kept, so that the
+        # tensors behind the table's pointers live while it does; prepacking swaps them from a background thread)
+        self._table_pool: list[int] = []
+        self._table_weights: list[LinearWeight] = []
 
     @classmethod
     def for_model(
@@ -89,12 +92,13 @@ class FusedDecode:
         return x
 
     def _layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """[layers, cpu_gemv.LAYER_FIELDS]: built once, again only if the pool's tensors change."""
+        """[layers, cpu_gemv.LAYER_FIELDS], built again only when the pool's tensors or a layer's weights change."""
         pool = [cache.data_ptr() for cache in kv_caches]
-        if pool != self._table_pool:
+        weights: list[LinearWeight] = [getattr(layer, f) for layer in self.weights.layers for f in LINEAR_FIELDS]
+        if pool != self._table_pool or any(a is not b for a, b in zip(weights, self._table_weights, strict=False)):
             rows = []
             for i, layer in enumerate(self.weights.layers):
-                qkv, o_proj, gate_up, down = (plain_weight(getattr(layer, f)) for f in LINEAR_FIELDS)
+                qkv, o_proj, gate_up, down = (plain_weight(w) for w in weights[4 * i : 4 * i + 4])
                 assert qkv is not None and o_proj is not None and gate_up is not None and down is not None
                 cache = kv_caches[i]
                 assert cache.is_contiguous() and cache.dtype == torch.bfloat16
@@ -104,5 +108,6 @@ class FusedDecode:
                     gate_up.data_ptr(), down.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
                     self.windows.index(self.config.sliding_windows[i]),
                 ])  # fmt: skip
-            self._table, self._table_pool = torch.tensor(rows, dtype=torch.int64), pool
+            self._table = torch.tensor(rows, dtype=torch.int64)
+            self._table_pool, self._table_weights = pool, weights
         return self._table

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from runtime.kernels.cpu_gemv import gemv_serves
 from runtime.layers.linear import LinearWeight
 from runtime.models.config import ModelConfig, ModelConfigError
+from runtime.models.huge_pages import HugePageArena
 from runtime.quant.formats import from_tensors
 from runtime.quant.packed_linear import PackedWeight
 
@@ -198,21 +200,37 @@ def prepack_in_background(*models: ModelWeights) -> threading.Thread:
 
     The engine serves from the plain weights meanwhile and picks up each packed one at its next use (the
     results are bit-identical), so packing adds nothing to a cold start's time to ready. The embedding
-    stays as it is (a lookup; a tied head gets a packed copy).
+    stays as it is (a lookup; a tied head gets a packed copy). Where the few-row kernel serves, the plain weights it
+    reads are copied into huge pages first (runtime/models/huge_pages.py): an anonymous copy of the linear weights
+    in place of the snapshot's page-cache pages, which the kernel can then reclaim.
     """
 
     def pack_all() -> None:
         for weights in models:  # the model, then a speculative draft model if there is one
-            for layer in weights.layers:
-                for name in LINEAR_FIELDS:
-                    w = getattr(layer, name)
-                    if isinstance(w, torch.Tensor):
-                        setattr(layer, name, PackedWeight(w))
-            if isinstance(weights.lm_head, torch.Tensor):
-                weights.lm_head = PackedWeight(weights.lm_head)
+            _pack(weights)
 
     # Not a daemon: a process that exits while a reorder is running inside oneDNN aborts (SIGABRT); at exit
     # the interpreter waits for the thread instead (a fraction of a second at most).
     thread = threading.Thread(target=pack_all, name="warmstart-prepack")
     thread.start()
     return thread
+
+
+def _pack(weights: ModelWeights) -> None:
+    plain = [getattr(layer, name) for layer in weights.layers for name in LINEAR_FIELDS] + [weights.lm_head]
+    plain = [w for w in plain if isinstance(w, torch.Tensor)]
+    if not plain:
+        return
+    # The few-row kernel reads the plain weights once per decode step: in huge pages (huge_pages.py) where it serves.
+    arena = HugePageArena(HugePageArena.room_for(plain)) if gemv_serves(plain[0].device, plain[0].dtype) else None
+
+    def pack(w: torch.Tensor) -> PackedWeight:
+        return PackedWeight(arena.copy(w) if arena is not None else w)
+
+    for layer in weights.layers:
+        for name in LINEAR_FIELDS:
+            w = getattr(layer, name)
+            if isinstance(w, torch.Tensor):
+                setattr(layer, name, pack(w))
+    if isinstance(weights.lm_head, torch.Tensor):
+        weights.lm_head = pack(weights.lm_head)

@@ -132,7 +132,8 @@ def test_steps_aside_where_it_does_not_serve(tiny_model_dir, monkeypatch: pytest
     assert fused_for("qwen2") is not None  # qkv bias: served
     assert fused_for("llama", "float32") is None  # float32: the transformers comparison's arithmetic
     assert fused_for("qwen3") is None  # q/k norms
-    model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
+    # plain weights to quantize (prepacking swaps them from a background thread)
+    model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16", prepack_weights=False).engine.runner.model
     assert FusedDecode.for_model(model.config, model.weights, model.rotary, sharded=True) is None
     int8 = quantize_model(model.weights, "int8")
     assert FusedDecode.for_model(model.config, int8, model.rotary, sharded=False) is None
