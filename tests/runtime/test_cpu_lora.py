@@ -191,8 +191,18 @@ def test_the_kernel_refuses_bad_segments_clearly() -> None:
         cpu_lora.add_lora(bf16(2, 37, seed=12), bf16(2, 48, seed=13), too_far, 0, "o_proj")
 
 
-def test_the_model_chooses_the_kernel_where_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not cpu_lora.lora_kernel_serves(CPU, torch.float32)  # float32 keeps the path PEFT is compared with
+def test_the_model_chooses_the_kernel_where_it_serves(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    model_dir: Path = tiny_model_dir("llama")
+
+    def chosen(dtype: str) -> object:
+        return LLM.from_hf(model_dir, dtype=dtype).engine.runner.model.add_lora
+
+    assert chosen("float32") is torch_lora.add_lora  # float32 keeps the path PEFT is compared with
+    assert chosen("bfloat16") is (cpu_lora.add_lora if cpu_lora.cpu_supported() else torch_lora.add_lora)
+    monkeypatch.setenv(cpu_lora.LORA_ENV, "torch")
+    assert chosen("bfloat16") is torch_lora.add_lora
+    monkeypatch.delenv(cpu_lora.LORA_ENV)
+    assert not cpu_lora.lora_kernel_serves(CPU, torch.float32)
     assert cpu_lora.lora_kernel_serves(CPU, torch.bfloat16) == cpu_lora.cpu_supported()
     monkeypatch.setattr(cpu_lora, "cpu_supported", lambda: False)  # a CPU without AVX512-BF16
     assert not cpu_lora.lora_kernel_serves(CPU, torch.bfloat16)
