@@ -7,14 +7,15 @@
  * segment i being rows[starts[i]:ends[i]] of slot seg_slots[i]. Each slot's own rank for this module (0: its
  * adapter leaves the module out) bounds the work, not max_rank.
  *
- * Shrink: each group of up to 4 rows of one segment against its slot's Aᵀ, float32 fused multiply-adds of the bf16
- * inputs (exact products), into a float32 scratch [rows, slices * max_rank]. Expand: per group of rows and block of
- * 64 output columns of one slice, the shrunk values times the slot's Bᵀ rows summed in float32, added to y in
- * float32 and rounded once to bfloat16 (round to nearest even). The PyTorch path rounds three times: the shrunk
- * product and the delta to bf16 (its bmm outputs), then y + delta; results differ by about a bf16 unit of the delta.
+ * Shrink: each group of up to 4 rows of one segment against its slot's Aᵀ, AVX512-BF16 dot products (exact
+ * products, float32 sums), rounded to bf16 into a scratch [rows, slices * max_rank], as the PyTorch path's bmm
+ * rounds its output. Expand: per group of rows and block of 64 output columns of one slice, the shrunk values times
+ * the slot's Bᵀ rows summed in float32, added to y in float32 and rounded once to bfloat16 (round to nearest
+ * even). Here the rounding differs from the PyTorch path, which rounds the delta to bf16 (its bmm output) before
+ * the add: results differ by up to a bf16 unit of the result (tests/runtime/test_cpu_lora.py states the bound).
  * One OpenMP region (torch's libgomp) runs both phases, each spread over the threads.
  *
- * Only CPUs with AVX512-BF16 run it (``has_avx512_bf16``, checked at run time: its rounding instruction);
+ * Only CPUs with AVX512-BF16 run it (``has_avx512_bf16``, checked at run time);
  * runtime/kernels/cpu_lora.py falls back to the PyTorch path elsewhere. Any sizes (masked loads at the edges).
  */
 #define PY_SSIZE_T_CLEAN
