@@ -1,5 +1,8 @@
 # The C extension built from runtime/kernels/cpu_lora.c; pointers are tensors' data_ptr().
 
+MAX_RANK: int
+MAX_SLICES: int
+
 def sgmv(
     y: int, y_stride: int, x: int, x_stride: int, a: int, b: int, rows: int, seg_slots: int, starts: int, ends: int,
     ranks: int, n: int, m: int, num_segs: int, num_slots: int, in_features: int, max_rank: int,

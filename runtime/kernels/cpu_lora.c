@@ -34,6 +34,7 @@
 #define CHUNKS 4       /* 16-column vectors per pass: GROUP * CHUNKS float32 accumulators in registers */
 #define BLOCK 64       /* output columns per expand work item (CHUNKS * 16) */
 #define MAX_SLICES 3
+#define MAX_RANK 128 /* slot rank: up to 8 vectors of 16 columns per slice */
 
 TARGET static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
@@ -95,8 +96,8 @@ DEFINE_SHRINK(4)
 /* One group's shrink: every rank column of every slice of its slot, in passes of up to CHUNKS vectors. */
 TARGET static void shrink_group(uint16_t *const *out, const uint16_t *const *x_rows, int valid, const uint16_t *a,
                                 int64_t in, int64_t slices, int64_t max_rank, int64_t rank) {
-    int64_t col[MAX_SLICES * 8];
-    __mmask16 mask[MAX_SLICES * 8];
+    int64_t col[MAX_SLICES * MAX_RANK / 16];
+    __mmask16 mask[MAX_SLICES * MAX_RANK / 16];
     int n = 0;
     for (int64_t s = 0; s < slices; s++)
         for (int64_t r0 = 0; r0 < rank; r0 += 16) {
@@ -258,11 +259,11 @@ static PyObject *sgmv(PyObject *self, PyObject *args) {
         c.out += slice_outs[s];
         c.slices++;
     }
-    if (c.slices == 0 || max_rank < 1 || max_rank > 128 || in < 1 || n < 0 || m < 0 || m > n || y_stride < c.out ||
-        x_stride < in)
-        return PyErr_Format(PyExc_ValueError, "sgmv: slices %lld, max_rank %lld (1 to 128), in %lld, rows %lld of "
-                            "%lld, y_stride %lld, x_stride %lld", (long long)c.slices, max_rank, in, m, n, y_stride,
-                            x_stride);
+    if (c.slices == 0 || max_rank < 1 || max_rank > MAX_RANK || in < 1 || n < 0 || m < 0 || m > n ||
+        y_stride < c.out || x_stride < in)
+        return PyErr_Format(PyExc_ValueError, "sgmv: slices %lld, max_rank %lld (1 to %d), in %lld, rows %lld of "
+                            "%lld, y_stride %lld, x_stride %lld", (long long)c.slices, max_rank, MAX_RANK, in, m, n,
+                            y_stride, x_stride);
     for (int64_t i = 0; i < m; i++)
         if (c.rows[i] < 0 || c.rows[i] >= n)
             return PyErr_Format(PyExc_ValueError, "sgmv: row %lld is outside the batch of %lld",
@@ -316,4 +317,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_lora", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cpu_lora(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_lora(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "MAX_RANK", MAX_RANK) < 0 || PyModule_AddIntConstant(m, "MAX_SLICES",
+                                                                                                MAX_SLICES) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -25,7 +25,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 LORA_ENV = "WARMSTART_CPU_LORA"
 LORA_CHOICES = ("kernel", "torch")
-MAX_SLICES = 3
+MAX_SLICES = _ext.MAX_SLICES if _ext is not None else 0  # fused slices per linear (q, k, v)
+MAX_RANK = _ext.MAX_RANK if _ext is not None else 0  # the slots' rank (--max-lora-rank); beyond, the PyTorch path
 
 
 def cpu_supported() -> bool:
@@ -44,7 +45,7 @@ def lora_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
 
 def takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the kernel takes these: bf16 CPU tensors, y [n, out] and x [n, in] with contiguous rows, the slot
-    stacks contiguous, at most MAX_SLICES slices."""
+    stacks contiguous, at most MAX_SLICES slices of at most MAX_RANK."""
     return (
         y.dtype == x.dtype == a.dtype == b.dtype == torch.bfloat16
         and y.device.type == x.device.type == a.device.type == "cpu"
@@ -55,6 +56,7 @@ def takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
         and a.is_contiguous()
         and b.is_contiguous()
         and a.shape[2] <= MAX_SLICES
+        and a.shape[3] <= MAX_RANK
         and a.shape[1] == x.shape[1]
         and b.shape[2] == y.shape[1]
     )

@@ -179,6 +179,20 @@ def test_tensors_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
 
 
 @needs_bf16_cpu
+def test_slots_of_a_rank_beyond_the_kernels_go_to_the_pytorch_path() -> None:
+    rank = cpu_lora.MAX_RANK + 8
+    slots = LoraSlots.empty(2, rank, SHAPES, 1, torch.bfloat16, CPU)
+    fan_in, outs = SHAPES["o_proj"]
+    slots.fill(1, rank, [{"o_proj": (bf16(rank, fan_in, seed=14), bf16(sum(outs), rank, seed=15, scale=0.1))}])
+    step = lora_step([1, -1, 1], slots, CPU)
+    assert step is not None
+    x, y = bf16(3, fan_in, seed=16), bf16(3, sum(outs), seed=17)
+    assert not cpu_lora.takes(y, x, slots.a[0]["o_proj"], slots.b[0]["o_proj"])
+    assert torch.equal(cpu_lora.add_lora(y.clone(), x, step, 0, "o_proj"),
+                       torch_lora.add_lora(y.clone(), x, step, 0, "o_proj"))
+
+
+@needs_bf16_cpu
 def test_the_kernel_refuses_bad_segments_clearly() -> None:
     slots = filled_slots()
     step = lora_step([0, 3], slots, CPU)
