@@ -53,6 +53,8 @@ def takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
         and y.shape[0] == x.shape[0]
         and y.stride(-1) == 1
         and x.stride(-1) == 1
+        and (y.shape[0] < 2 or y.stride(0) >= y.shape[1])  # rows apart, not overlapping
+        and (x.shape[0] < 2 or x.stride(0) >= x.shape[1])
         and a.is_contiguous()
         and b.is_contiguous()
         and a.shape[2] <= MAX_SLICES
@@ -71,8 +73,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, modul
     if _ext is None or not takes(y, x, a, b) or not step.module_ranks:
         return torch_add_lora(y, x, step, layer, module)
     outs = step.slots.out_slices[module]
+    y_stride, x_stride = max(y.stride(0), y.shape[1]), max(x.stride(0), x.shape[1])  # a single row's is any
     _ext.sgmv(
-        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(), step.rows.data_ptr(),
+        y.data_ptr(), y_stride, x.data_ptr(), x_stride, a.data_ptr(), b.data_ptr(), step.rows.data_ptr(),
         step.tile_slots.data_ptr(), step.tile_starts.data_ptr(), step.tile_ends.data_ptr(),
         step.module_ranks[module].data_ptr(), y.shape[0], step.rows.numel(), step.num_tiles, a.shape[0],
         a.shape[1], a.shape[3], (*outs, *[0] * (MAX_SLICES - len(outs))), torch.get_num_threads(),

@@ -162,6 +162,12 @@ def test_strided_rows_of_x_and_a_module_no_adapter_adapts() -> None:
                        cpu_lora.add_lora(y.clone(), x.contiguous(), step, 0, "qkv"))
     only_qkv_free = lora_step([1, 1], slots, CPU)  # slot 1 leaves qkv out
     assert only_qkv_free is not None and "qkv" not in only_qkv_free.modules
+    one = lora_step([3], slots, CPU)
+    assert one is not None
+    row = bf16(41, seed=18).unsqueeze(1).t()  # [1, 41] with a row stride of 1
+    y1 = bf16(1, 96, seed=19)
+    assert torch.equal(cpu_lora.add_lora(y1.clone(), row, one, 0, "qkv"),
+                       cpu_lora.add_lora(y1.clone(), row.contiguous(), one, 0, "qkv"))
     y2 = bf16(2, 96, seed=8)
     assert torch.equal(cpu_lora.add_lora(y2.clone(), bf16(2, 41, seed=9), only_qkv_free, 0, "qkv"), y2)
 
