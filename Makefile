@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst $() ,_,$
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kernels/cpu_small_ops.c runtime/kernels/cpu_gemv.c runtime/kernels/cpu_lora.c runtime/kernels/bf16.h runtime/kernels/decode_attention.h
+$(STAMP): pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kernels/cpu_small_ops.c runtime/kernels/cpu_gemv.c runtime/kernels/cpu_lora.c runtime/kernels/bf16.h runtime/kernels/decode_attention.h runtime/kernels/vec512.h
 	@test -n "$(PYTHON)" || { echo "python3.11 (or python3) not found on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip

@@ -10,7 +10,7 @@ setup(
         Extension(
             "runtime.kernels._cpu_attention",
             sources=["runtime/kernels/cpu_attention.c"],
-            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h"],
+            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h", "runtime/kernels/vec512.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -18,7 +18,7 @@ setup(
         Extension(  # the small ops between the CPU path's matmuls, fused (runtime/kernels/cpu_small_ops.py)
             "runtime.kernels._cpu_small_ops",
             sources=["runtime/kernels/cpu_small_ops.c"],
-            depends=["runtime/kernels/bf16.h"],
+            depends=["runtime/kernels/bf16.h", "runtime/kernels/vec512.h"],
             # no fused multiply-add: the kernels round where their PyTorch references do
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
@@ -35,7 +35,7 @@ setup(
         Extension(  # bf16 matrix-vector products for decode steps (runtime/kernels/cpu_gemv.py)
             "runtime.kernels._cpu_gemv",
             sources=["runtime/kernels/cpu_gemv.c"],
-            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h"],
+            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h", "runtime/kernels/vec512.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,

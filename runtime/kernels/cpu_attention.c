@@ -206,17 +206,6 @@ AVX512BF16 static inline uint32_t load_u32(const uint16_t *p) {
     return x;
 }
 
-/* f32_to_bf16 (bf16.h) on 16 lanes: round to nearest even, NaN stays NaN. */
-AVX512BF16 static inline __m256i f32_to_bf16_16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 /* Q^T of the tile's ``rows`` rows (the rest of the RP lanes zero). */
 AVX512BF16 static inline void pf_pack_queries(const PrefillArgs *a, int64_t s, int64_t h, int64_t t0, int64_t rows,
                                               int64_t rp, int dots, Scratch *sc) {

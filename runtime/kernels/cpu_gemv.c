@@ -26,7 +26,7 @@
 
 #define MAX_ROWS 8 /* rows of x per call: beyond a few, a matmul that reuses weights from cache wins */
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 TARGET static inline __m512bh load_bf16(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
@@ -147,7 +147,8 @@ static int threads_for(int64_t n, int64_t k, int num_threads) {
 static int cpu_has_avx512_bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bf16");
 }
 
 static PyObject *gemv(PyObject *self, PyObject *args) {
@@ -287,10 +288,8 @@ TARGET static void decode_layer(Step *st, const int64_t *layer, uint16_t *x, uin
     gemv_range(st->gu, h, hidden, gate_up, NULL, rows, 2 * inter, hidden, begin, end);
     gemv_range(st->gu, h, hidden, gate_up, NULL, rows, 2 * inter, hidden, inter + begin, inter + end);
     for (int64_t m = 0; m < rows; m++)
-        for (int64_t f = begin; f < end; f++) {
-            const float g = bf16_to_f32(st->gu[m * 2 * inter + f]), u = bf16_to_f32(st->gu[m * 2 * inter + inter + f]);
-            st->act[m * inter + f] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
-        }
+        silu_and_mul_span(st->act + m * inter + begin, st->gu + m * 2 * inter + begin,
+                          st->gu + m * 2 * inter + inter + begin, end - begin);
 #pragma omp barrier
     /* down, then the residual add for this thread's columns (o is free again: every thread has read it) */
     thread_range(hidden, t, nt, &begin, &end);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec512.h"
 
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 16 /* query heads per KV head */
@@ -115,24 +116,6 @@ AVX512 static inline __m512 load16(const DecodeArgs *a, const void *base, int64_
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
     return _mm512_loadu_ps((const float *)base + offset);
-}
-
-/* exp(x) for x <= 0, to about 2 ulp: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
- * polynomial; values below -104 flush to 0 through scalef's underflow. */
-AVX512 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Lane j of the result is the sum of v[j]'s 16 lanes: a transpose-and-add tree, about 3 instructions per
