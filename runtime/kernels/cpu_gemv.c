@@ -2,13 +2,14 @@
  *
  * A decode step multiplies one row per sequence by every weight matrix, so it is bound by reading the weights
  * from memory once; oneDNN's matmul on its prepacked copy ran well below that bound for one row. Here the plain
- * row-major [N, K] weight (the tensor the snapshot maps, no second copy) is read once per call: each block of
+ * row-major [N, K] weight (the tensor the snapshot maps, or once prepacking has run its copy in huge pages:
+ * runtime/models/huge_pages.py) is read once per call: each block of
  * weight rows is loaded into registers and multiplied, with AVX512-BF16's dot-product instruction, by every row
  * of x while it is in the L1 cache. Products are exact in float32, sums are float32 (in another order than
  * F.linear's), and the result is rounded once to bfloat16 (round to nearest even, bf16.h) after the bias is added,
  * as F.linear does. Output rows are spread over OpenMP threads (torch's libgomp, as cpu_attention.c).
  *
- * decode_attention_in and decode_mlp (below) run a decode layer's two halves around attention on the same tiles.
+ * decode_layers (below) runs every decoder layer of a decode step in one call on the same tiles.
  *
  * Only CPUs with AVX512-BF16 run it (``has_avx512_bf16``, checked at run time); runtime/kernels/cpu_gemv.py falls
  * back to the PyTorch path elsewhere. K need not be a multiple of 32 (masked loads), N is any.

@@ -20,7 +20,7 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor) -> None:
         self.shape = (weight.shape[0], weight.shape[1])
         # Kept for the few-row kernel (runtime/kernels/cpu_gemv.py), which reads the plain layout: the mapped
-        # snapshot tensor (or the loaded one), not another copy.
+        # snapshot tensor or the loaded one, or where that kernel serves their copy in huge pages (models/weights.py).
         self.weight = weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
