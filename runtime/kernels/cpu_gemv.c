@@ -33,107 +33,66 @@ TARGET static inline __m512bh load_bf16(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* ROWS rows of x against BLOCK consecutive weight rows starting at w (the first ``valid`` of them real; the others
- * repeat the first, their sums dropped), with SPLIT accumulators per pair taking alternate 32-element steps of k:
- * ROWS * BLOCK * SPLIT independent chains of dot products hide the instruction's latency. A macro, not a function
- * with size arguments, so that the arrays have constant sizes, the loops unroll and the accumulators stay in
- * registers. The tail of a row is a masked load (zeros past the end). The next rows are prefetched: a block's rows
- * are BLOCK short interleaved streams, which the hardware prefetcher follows late. */
-#define PREFETCH_ROWS 8
-
-#define DEFINE_TILE(ROWS, BLOCK, SPLIT)                                                                              \
-    TARGET static void tile_##ROWS##x##BLOCK(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t x_stride, \
-                                            const uint16_t *w, int64_t k, const uint16_t *bias, int64_t n0,          \
-                                            int64_t valid) {                                                         \
-        __m512 acc[SPLIT][ROWS][BLOCK];                                                                              \
-        const uint16_t *wr[BLOCK];                                                                                   \
-        for (int r = 0; r < BLOCK; r++) wr[r] = w + (r < valid ? r : 0) * k;                                         \
-        for (int s = 0; s < SPLIT; s++)                                                                              \
-            for (int m = 0; m < ROWS; m++)                                                                           \
-                for (int r = 0; r < BLOCK; r++) acc[s][m][r] = _mm512_setzero_ps();                                  \
-        int64_t k0 = 0;                                                                                              \
-        for (; k0 + 32 * SPLIT <= k; k0 += 32 * SPLIT)                                                               \
-            for (int s = 0; s < SPLIT; s++) {                                                                        \
-                __m512bh wv[BLOCK];                                                                                  \
-                for (int r = 0; r < BLOCK; r++) {                                                                    \
-                    _mm_prefetch((const char *)(wr[r] + PREFETCH_ROWS * k + k0 + 32 * s), _MM_HINT_T0);              \
-                    wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k0 + 32 * s);                                       \
-                }                                                                                                    \
+/* ROWS rows of x against weight rows [n0, n0 + count), each weight row read from start to end before the next, for
+ * all ROWS rows of x at once: one sequential stream is what the hardware prefetcher follows best (a tile that
+ * interleaved eight weight rows read 18-20 GB/s where one row at a time reads 27-30, a plain read's speed, on the
+ * 2-core EPYC of docs/BENCHMARKS.md). Two accumulators per row of x, taking alternate 32-element steps of k, hide
+ * the dot product's latency. A macro, not a function with a size argument, so that the arrays have constant sizes,
+ * the loops unroll and the accumulators stay in registers. The tail of a row is a masked load (zeros past the end). */
+#define DEFINE_STREAM(ROWS)                                                                                          \
+    TARGET static void stream_##ROWS(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t x_stride,         \
+                                     const uint16_t *w, int64_t k, const uint16_t *bias, int64_t n0, int64_t count) { \
+        for (int64_t n = n0; n < n0 + count; n++) {                                                                  \
+            const uint16_t *wr = w + n * k;                                                                          \
+            __m512 acc[2][ROWS];                                                                                     \
+            for (int m = 0; m < ROWS; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();                              \
+            int64_t k0 = 0;                                                                                          \
+            for (; k0 + 64 <= k; k0 += 64) {                                                                         \
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k0);                                          \
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k0 + 32);                                     \
                 for (int m = 0; m < ROWS; m++) {                                                                     \
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k0 + 32 * s);                \
-                    for (int r = 0; r < BLOCK; r++) acc[s][m][r] = _mm512_dpbf16_ps(acc[s][m][r], xv, wv[r]);        \
+                    const uint16_t *xm = x + m * x_stride + k0;                                                      \
+                    acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_loadu_si512(xm), w0);                   \
+                    acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)_mm512_loadu_si512(xm + 32), w1);              \
                 }                                                                                                    \
             }                                                                                                        \
-        for (; k0 < k; k0 += 32) {                                                                                   \
-            const __mmask32 mask = k - k0 >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - k0)) - 1u);      \
-            __m512bh wv[BLOCK];                                                                                      \
-            for (int r = 0; r < BLOCK; r++) wv[r] = load_bf16(wr[r] + k0, mask);                                     \
+            for (; k0 < k; k0 += 32) {                                                                               \
+                const __mmask32 mask = k - k0 >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - k0)) - 1u);  \
+                const __m512bh wv = load_bf16(wr + k0, mask);                                                        \
+                for (int m = 0; m < ROWS; m++)                                                                       \
+                    acc[0][m] = _mm512_dpbf16_ps(acc[0][m], load_bf16(x + m * x_stride + k0, mask), wv);             \
+            }                                                                                                        \
             for (int m = 0; m < ROWS; m++) {                                                                         \
-                const __m512bh xv = load_bf16(x + m * x_stride + k0, mask);                                          \
-                for (int r = 0; r < BLOCK; r++) acc[0][m][r] = _mm512_dpbf16_ps(acc[0][m][r], xv, wv[r]);            \
+                float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));                               \
+                if (bias) sum += bf16_to_f32(bias[n]);                                                               \
+                out[m * out_stride + n] = f32_to_bf16(sum);                                                          \
             }                                                                                                        \
         }                                                                                                            \
-        for (int s = 1; s < SPLIT; s++)                                                                              \
-            for (int m = 0; m < ROWS; m++)                                                                           \
-                for (int r = 0; r < BLOCK; r++) acc[0][m][r] = _mm512_add_ps(acc[0][m][r], acc[s][m][r]);            \
-        for (int m = 0; m < ROWS; m++)                                                                               \
-            for (int r = 0; r < BLOCK && r < valid; r++) {                                                           \
-                float sum = _mm512_reduce_add_ps(acc[0][m][r]);                                                      \
-                if (bias) sum += bf16_to_f32(bias[n0 + r]);                                                          \
-                out[m * out_stride + n0 + r] = f32_to_bf16(sum);                                                     \
-            }                                                                                                        \
     }
 
-DEFINE_TILE(2, 4, 2)
-DEFINE_TILE(4, 4, 1)
+DEFINE_STREAM(1)
+DEFINE_STREAM(2)
+DEFINE_STREAM(3)
+DEFINE_STREAM(4)
 
-/* One row of x against weight rows [n0, n0 + count), each row read from start to end before the next: for a single
- * row of x nothing is reused, and one sequential stream is what the hardware prefetcher follows best (a 1 x 8 tile
- * interleaving eight rows read 18-20 GB/s where this reads 27-30, a plain read's speed, on the 2-core EPYC of
- * docs/BENCHMARKS.md). Two accumulators hide the dot product's latency. */
-TARGET static void rows_1(uint16_t *out, const uint16_t *x, const uint16_t *w, int64_t k, const uint16_t *bias,
-                          int64_t n0, int64_t count) {
-    for (int64_t n = n0; n < n0 + count; n++) {
-        const uint16_t *wr = w + n * k;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int64_t k0 = 0;
-        for (; k0 + 64 <= k; k0 += 64) {
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k0), (__m512bh)_mm512_loadu_si512(wr + k0));
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k0 + 32),
-                                  (__m512bh)_mm512_loadu_si512(wr + k0 + 32));
-        }
-        for (; k0 < k; k0 += 32) {
-            const __mmask32 mask = k - k0 >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (k - k0)) - 1u);
-            a0 = _mm512_dpbf16_ps(a0, load_bf16(x + k0, mask), load_bf16(wr + k0, mask));
-        }
-        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        if (bias) sum += bf16_to_f32(bias[n]);
-        out[n] = f32_to_bf16(sum);
-    }
-}
+#define ROW_BLOCK 8 /* weight rows per block: read from memory by the first pass, from L1 by the others */
 
-#define ROW_BLOCK 8 /* weight rows per block: two tiles of 4 for 2 or 4 rows of x */
-
-/* Weight rows [n_begin, n_end) for all rows of x, the rows of x in passes of 4, 2 and 1 over each block of
- * weight rows while it is in L1. */
+/* Weight rows [n_begin, n_end) for all rows of x: over each block of weight rows, the rows of x in passes of up to 4
+ * (more rows in one pass would need more accumulators than there are registers). */
 TARGET static void gemv_range(uint16_t *out, const uint16_t *x, int64_t x_stride, const uint16_t *w,
                               const uint16_t *bias, int64_t rows, int64_t n, int64_t k, int64_t n_begin,
                               int64_t n_end) {
     for (int64_t n0 = n_begin; n0 < n_end; n0 += ROW_BLOCK) {
-        const int64_t valid = n_end - n0 < ROW_BLOCK ? n_end - n0 : ROW_BLOCK;
-        for (int64_t half = 0; half < valid; half += 4) { /* the block as two tiles of 4 weight rows */
-            const int64_t n1 = n0 + half, valid4 = valid - half < 4 ? valid - half : 4;
-            int64_t m = 0;
-            for (; m + 4 <= rows; m += 4)
-                tile_4x4(out + m * n, n, x + m * x_stride, x_stride, w + n1 * k, k, bias, n1, valid4);
-            if (m + 2 <= rows) {
-                tile_2x4(out + m * n, n, x + m * x_stride, x_stride, w + n1 * k, k, bias, n1, valid4);
-                m += 2;
+        const int64_t count = n_end - n0 < ROW_BLOCK ? n_end - n0 : ROW_BLOCK;
+        for (int64_t m = 0; m < rows; m += 4) {
+            uint16_t *o = out + m * n;
+            const uint16_t *xm = x + m * x_stride;
+            switch (rows - m < 4 ? rows - m : 4) {
+            case 1: stream_1(o, n, xm, x_stride, w, k, bias, n0, count); break;
+            case 2: stream_2(o, n, xm, x_stride, w, k, bias, n0, count); break;
+            case 3: stream_3(o, n, xm, x_stride, w, k, bias, n0, count); break;
+            default: stream_4(o, n, xm, x_stride, w, k, bias, n0, count);
             }
-        }
-        if (rows % 2) {
-            const int64_t m = rows - 1;
-            rows_1(out + m * n, x + m * x_stride, w, k, bias, n0, valid);
         }
     }
 }

@@ -23,9 +23,10 @@ GEMV_ENV = "WARMSTART_CPU_GEMV"
 GEMV_CHOICES = ("kernel", "torch")
 KERNEL_MAX_ROWS = _ext.MAX_ROWS if _ext is not None else 0  # the most rows of x the kernel takes per call
 # The most rows the CPU ops send it (``fits``); beyond, oneDNN's blocked matmul on the prepacked weight, which reuses
-# each weight from cache. `benchmarks/decode.py --kernel-rows` over SmolLM2-135M's linears (load 1.5): oneDNN / gemv
-# 1.19x at 1 row, 0.99x at 2, 0.80-0.94x at 3-8.
-MAX_ROWS = 2
+# each weight from cache. `benchmarks/decode.py --kernel-rows` over SmolLM2-135M's linears (quiet, each weight row
+# streamed once for up to 4 rows of x): oneDNN / gemv 1.51x at 1 row, 1.47x at 2, 1.31x at 3, 1.11-1.13x at 4-5,
+# 1.08x at 6, 1.03x at 7, 0.88x at 8.
+MAX_ROWS = 6
 
 
 def cpu_supported() -> bool:

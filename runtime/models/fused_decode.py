@@ -25,10 +25,10 @@ from runtime.models.config import ModelConfig
 from runtime.models.weights import LINEAR_FIELDS, ModelWeights
 
 FUSED_ENV = "WARMSTART_CPU_FUSED_DECODE"
-# The most decode rows the path takes. Its matmuls lose to oneDNN's above 2 rows (0.8x at 4: cpu_gemv.MAX_ROWS), but
-# a step saved about 4 ms of dispatch at one row (benchmarks/decode.py: 18.8 against 23.0 ms/token unfused) when
-# layers were three calls each, more than the matmuls lose at 4; not measured at 3-4 rows.
-MAX_ROWS = 4
+# The most decode rows the path takes: the kernel's most. A decode step of SmolLM2-135M against the ordinary ops
+# (their linears on the same gemv kernel up to cpu_gemv.MAX_ROWS rows, oneDNN beyond; quiet probe): 1.34x faster at
+# 1 row, 1.39x at 2, 1.64-1.85x at 3-4, 1.28x at 6, 1.42x at 8 (where the gemv alone is 0.88x oneDNN's).
+MAX_ROWS = 8
 FUSED_CHOICES = ("kernel", "torch")
 
 

@@ -139,6 +139,8 @@ def test_engine_uses_the_kernel_and_one_decode_group(tiny_model_dir, monkeypatch
         return kernel(q, cache, g, window)
 
     monkeypatch.setattr(attention, "_kernel_decode_attention", counting)
+    # the ordinary ops' attention: decode steps of up to 8 rows otherwise run whole in cpu_gemv.c (test_fused_decode.py)
+    monkeypatch.setenv("WARMSTART_CPU_FUSED_DECODE", "torch")
     model_dir = tiny_model_dir("qwen2")
     prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

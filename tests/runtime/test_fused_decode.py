@@ -36,16 +36,16 @@ def within_bf16_units(ours: torch.Tensor, reference: torch.Tensor, units: int) -
 def decode_step(rows: int, num_layers: int, kv_heads: int, head_dim: int, seed: int) -> tuple:  # type: ignore[type-arg]
     """A decode step of ``rows`` sequences at different positions, each over its own blocks of a random pool."""
     block_size, per_row = 16, 4
-    positions = torch.tensor([5, 40, 17, 63][:rows])
+    positions = torch.tensor([5, 40, 17, 63, 30, 8, 50, 61][:rows])
     tables = torch.arange(rows * per_row, dtype=torch.int64).view(rows, per_row).flip(1).contiguous()  # not in order
     slots = tables.gather(1, (positions // block_size)[:, None]).flatten() * block_size + positions % block_size
     group = AttentionGroup(torch.arange(rows), tables, positions, 0, is_decode=True, block_size=block_size)
     caches = [bf16(2, kv_heads, rows * per_row, block_size, head_dim, seed=seed + i) for i in range(num_layers)]
-    tokens = torch.tensor([11, 3, 250, 77][:rows])
+    tokens = torch.tensor([11, 3, 250, 77, 5, 19, 100, 42][:rows])
     return tokens, positions, caches, AttentionMetadata(slots, [group]), torch.arange(rows), slots
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The whole step in one call against the model's ordinary ops on the same step: logits, and the pool (the new
@@ -74,7 +74,7 @@ def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypa
     for cache, reference_cache in zip(caches, reference_caches, strict=True):
         written = cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, slots]
         expected = reference_cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, slots]
-        torch.testing.assert_close(written, expected, rtol=0.03, atol=0.03)
+        torch.testing.assert_close(written, expected, rtol=0, atol=0.03 * float(expected.abs().max()))
         untouched = torch.ones(cache[0, 0].numel() // c.head_dim, dtype=torch.bool)
         untouched[slots] = False
         assert torch.equal(cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, untouched],
