@@ -8,10 +8,11 @@ a C compiler, and under ``WARMSTART_CPU_GEMV=torch``.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
+
+from runtime.kernels.switches import kernel_chosen
 
 _ext: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
@@ -20,7 +21,6 @@ except ImportError:  # pragma: no cover - depends on the install
     _ext = None
 
 GEMV_ENV = "WARMSTART_CPU_GEMV"
-GEMV_CHOICES = ("kernel", "torch")
 KERNEL_MAX_ROWS = _ext.MAX_ROWS if _ext is not None else 0  # the most rows of x the kernel takes per call
 # The most rows the CPU ops send it (``fits``); beyond, oneDNN's blocked matmul on the prepacked weight, which reuses
 # each weight from cache. `benchmarks/decode.py --kernel-rows` over SmolLM2-135M's linears (quiet, each weight row
@@ -37,10 +37,7 @@ def cpu_supported() -> bool:
 def gemv_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernel serves a model on ``device`` in ``dtype`` (``WARMSTART_CPU_GEMV=torch`` turns it off);
     ``fits`` then says it per call."""
-    choice = os.environ.get(GEMV_ENV) or "kernel"
-    if choice not in GEMV_CHOICES:
-        raise ValueError(f"{GEMV_ENV}={choice!r} is not one of {', '.join(GEMV_CHOICES)}")
-    return choice == "kernel" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_supported()
+    return kernel_chosen(GEMV_ENV) and device.type == "cpu" and dtype == torch.bfloat16 and cpu_supported()
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

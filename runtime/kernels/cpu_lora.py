@@ -9,11 +9,11 @@ pins down), other devices, CPUs without AVX512-BF16, installs built without a C 
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
+from runtime.kernels.switches import kernel_chosen
 from runtime.layers.lora import LoraStep
 from runtime.layers.lora import add_lora as torch_add_lora
 
@@ -24,7 +24,6 @@ except ImportError:  # pragma: no cover - depends on the install
     _ext = None
 
 LORA_ENV = "WARMSTART_CPU_LORA"
-LORA_CHOICES = ("kernel", "torch")
 MAX_SLICES = _ext.MAX_SLICES if _ext is not None else 0  # fused slices per linear (q, k, v)
 MAX_RANK = _ext.MAX_RANK if _ext is not None else 0  # the slots' rank (--max-lora-rank); beyond, the PyTorch path
 
@@ -37,10 +36,7 @@ def cpu_supported() -> bool:
 def lora_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernel serves LoRA for a model on ``device`` in ``dtype`` (``WARMSTART_CPU_LORA=torch`` turns it
     off); ``add_lora`` then takes every call, falling back to the PyTorch path for tensors it does not take."""
-    choice = os.environ.get(LORA_ENV) or "kernel"
-    if choice not in LORA_CHOICES:
-        raise ValueError(f"{LORA_ENV}={choice!r} is not one of {', '.join(LORA_CHOICES)}")
-    return choice == "kernel" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_supported()
+    return kernel_chosen(LORA_ENV) and device.type == "cpu" and dtype == torch.bfloat16 and cpu_supported()
 
 
 def takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -6,10 +6,11 @@ the path for other devices and dtypes, for installs built without a C compiler, 
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
+
+from runtime.kernels.switches import kernel_chosen
 
 _ext: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
@@ -18,17 +19,13 @@ except ImportError:  # pragma: no cover - depends on the install
     _ext = None
 
 SMALL_OPS_ENV = "WARMSTART_CPU_SMALL_OPS"
-SMALL_OPS_CHOICES = ("kernel", "torch")
 
 
 def small_ops_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused kernels serve a model on ``device`` in ``dtype`` (``WARMSTART_CPU_SMALL_OPS=torch`` turns
     them off); ``fits`` then says it per call."""
-    choice = os.environ.get(SMALL_OPS_ENV) or "kernel"
-    if choice not in SMALL_OPS_CHOICES:
-        raise ValueError(f"{SMALL_OPS_ENV}={choice!r} is not one of {', '.join(SMALL_OPS_CHOICES)}")
     return (
-        choice == "kernel"
+        kernel_chosen(SMALL_OPS_ENV)
         and _ext is not None
         and device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)

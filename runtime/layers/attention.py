@@ -14,12 +14,13 @@ cached prefix); ``WARMSTART_CPU_PREFILL_ATTENTION=torch`` keeps them on SDPA.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from runtime.kernels.switches import kernel_chosen
 
 _cpu_attention: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
@@ -28,7 +29,6 @@ except ImportError:  # pragma: no cover - depends on the install
     _cpu_attention = None
 
 CPU_ATTENTION_ENV = "WARMSTART_CPU_ATTENTION"
-CPU_ATTENTION_CHOICES = ("kernel", "torch")
 CPU_PREFILL_ATTENTION_ENV = "WARMSTART_CPU_PREFILL_ATTENTION"
 # the CPU has the prefill kernel's AVX-512 code (its best instruction set, not the one a test lowered it to)
 _prefill_vectorized = _cpu_attention is not None and _cpu_attention.PREFILL_BEST_ISA != "portable"
@@ -36,11 +36,8 @@ _prefill_vectorized = _cpu_attention is not None and _cpu_attention.PREFILL_BEST
 
 def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_head: int, head_dim: int) -> bool:
     """Whether the C decode kernel serves this model's pool (``WARMSTART_CPU_ATTENTION=torch`` turns it off)."""
-    choice = os.environ.get(CPU_ATTENTION_ENV) or "kernel"
-    if choice not in CPU_ATTENTION_CHOICES:
-        raise ValueError(f"{CPU_ATTENTION_ENV}={choice!r} is not one of {', '.join(CPU_ATTENTION_CHOICES)}")
     return (
-        choice == "kernel"
+        kernel_chosen(CPU_ATTENTION_ENV)
         and _cpu_attention is not None
         and device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
@@ -52,10 +49,7 @@ def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_
 def prefill_kernel_chosen(head_dim: int) -> bool:
     """Whether prefill chunks go to the C kernel where the decode kernel serves the pool: where it has its
     AVX-512 code (the portable loop measured 9x slower than SDPA), unless ``WARMSTART_CPU_PREFILL_ATTENTION=torch``."""
-    choice = os.environ.get(CPU_PREFILL_ATTENTION_ENV) or "kernel"
-    if choice not in CPU_ATTENTION_CHOICES:
-        raise ValueError(f"{CPU_PREFILL_ATTENTION_ENV}={choice!r} is not one of {', '.join(CPU_ATTENTION_CHOICES)}")
-    return choice == "kernel" and _prefill_vectorized and head_dim % 16 == 0
+    return kernel_chosen(CPU_PREFILL_ATTENTION_ENV) and _prefill_vectorized and head_dim % 16 == 0
 
 
 @dataclass

@@ -13,11 +13,10 @@ decode attention does not serve the pool (``WARMSTART_CPU_ATTENTION=torch``) and
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from runtime.kernels import cpu_gemv
+from runtime.kernels.switches import kernel_chosen
 from runtime.layers.attention import AttentionMetadata, decode_kernel_serves
 from runtime.layers.linear import LinearWeight, plain_weight
 from runtime.layers.rotary import RotaryTables
@@ -29,7 +28,6 @@ FUSED_ENV = "WARMSTART_CPU_FUSED_DECODE"
 # (their linears on the same gemv kernel up to cpu_gemv.MAX_ROWS rows, oneDNN beyond; quiet probe): 1.34x faster at
 # 1 row, 1.39x at 2, 1.64-1.85x at 3-4, 1.28x at 6, 1.42x at 8 (where the gemv alone is 0.88x oneDNN's).
 MAX_ROWS = 8
-FUSED_CHOICES = ("kernel", "torch")
 
 
 class FusedDecode:
@@ -53,11 +51,8 @@ class FusedDecode:
         cls, config: ModelConfig, weights: ModelWeights, rotary: RotaryTables, sharded: bool
     ) -> FusedDecode | None:
         """The path for this model, or None where it never serves (see the module's docstring)."""
-        choice = os.environ.get(FUSED_ENV) or "kernel"
-        if choice not in FUSED_CHOICES:
-            raise ValueError(f"{FUSED_ENV}={choice!r} is not one of {', '.join(FUSED_CHOICES)}")
         embed = weights.embed
-        if choice != "kernel" or sharded or not cpu_gemv.gemv_serves(embed.device, embed.dtype):
+        if not kernel_chosen(FUSED_ENV) or sharded or not cpu_gemv.gemv_serves(embed.device, embed.dtype):
             return None
         c = config
         if c.head_dim % 2 or not decode_kernel_serves(embed.device, embed.dtype, c.num_heads // c.num_kv_heads,
