@@ -10,6 +10,7 @@ snapshot's file mappings cannot ask (page-cache folios), and torch's allocations
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -28,7 +29,8 @@ class HugePageArena:
         self._mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
         if advice is not None:
-            self._mapping.madvise(advice)
+            with contextlib.suppress(OSError):  # a kernel built without transparent huge pages: small pages then
+                self._mapping.madvise(advice)
         self._bytes = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self._used = (-self._bytes.data_ptr()) % HUGE_PAGE
         self._end = self._used + size

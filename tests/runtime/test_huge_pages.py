@@ -3,7 +3,9 @@ copies the few-row kernel's plain weights into one."""
 
 from __future__ import annotations
 
+import mmap
 import sys
+import types
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.kernels import cpu_gemv
 from runtime.layers.linear import plain_weight
+from runtime.models import huge_pages
 from runtime.models.huge_pages import HUGE_PAGE, HugePageArena
 from runtime.models.weights import LINEAR_FIELDS
 
@@ -80,3 +83,17 @@ def test_prepacking_puts_the_kernels_weights_in_huge_pages(tiny_model_dir, monke
     assert ours == unpacked.generate(prompts, params)[0].token_ids  # the same values, so the same tokens
     _, plain = engine(WARMSTART_CPU_GEMV="torch")  # no few-row kernel: the weights stay where they were loaded
     assert all(w is not None and "hg" not in vm_flags(w.data_ptr()) for w in plain)
+
+
+def test_a_kernel_without_huge_pages_still_gets_an_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """madvise answers EINVAL where the kernel has no transparent huge pages: the copies work in small pages."""
+
+    class NoHugePages(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+    fake = types.SimpleNamespace(mmap=NoHugePages, MAP_PRIVATE=mmap.MAP_PRIVATE, MAP_ANONYMOUS=mmap.MAP_ANONYMOUS,
+                                 MADV_HUGEPAGE=14)  # fmt: skip
+    monkeypatch.setattr(huge_pages, "mmap", fake)
+    tensor = torch.randn(100)
+    assert torch.equal(HugePageArena(HugePageArena.room_for([tensor])).copy(tensor), tensor)
