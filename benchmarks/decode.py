@@ -1,21 +1,24 @@
 """Decode of one sequence on the CPU: warmstart against llama.cpp, side by side (issue 15, target 2).
 
     OMP_NUM_THREADS=2 python benchmarks/decode.py [--rounds 5] [--systems warmstart warmstart-torch llamacpp]
-        [--prompt-tokens 64] [--new-tokens 128] [--model-dir DIR] [--json OUT]
+        [--prompt-tokens 64] [--new-tokens 128] [--sequences 1] [--model-dir DIR] [--json OUT]
     OMP_NUM_THREADS=2 python benchmarks/decode.py --kernel-rows   # gemv kernel against oneDNN, rows 1..8
 
 One sequence, greedy, EOS ignored, a fresh random prompt each round. Each generated token after the first is
 timed (from the previous token to it; the prompt's prefill is not in it); a round's figure is the median of its
 tokens (the mean is printed beside it: on a shared machine a descheduled thread makes a few tokens 10-100x slow),
-and the summary takes the median over rounds. Systems, in an order that
-rotates from round to round:
+and the summary takes the median over rounds. ``--sequences N`` decodes N sequences at once instead (fresh prompts
+of the same length; each step timed; llama.cpp, which runs one, is left out). Systems, in an order that rotates
+from round to round:
 - ``warmstart``: the default CPU path in bfloat16: all decode layers in one C call (runtime/models/fused_decode.py)
   over the gemv kernel (runtime/kernels/cpu_gemv.c).
 - ``warmstart-gemv``: the same engine with the layers on the ordinary ops, their decode linears on the gemv kernel
   (what ``WARMSTART_CPU_FUSED_DECODE=torch`` selects).
 - ``warmstart-torch``: the same engine on its reference path (what ``WARMSTART_CPU_FUSED_DECODE=torch
   WARMSTART_CPU_GEMV=torch`` select: the ordinary ops, oneDNN on the prepacked weights).
-  The three are switched in place, so they share one load.
+- ``warmstart-4k``: the default path with the kernel's plain weights in a copy in ordinary 4 KiB pages rather than
+  the huge pages prepacking puts them in (runtime/models/huge_pages.py).
+  The four are switched in place, so they share one load.
 - ``llamacpp``: llama.cpp (llama-cpp-python 0.3.36) on the same model converted to a bf16 GGUF (run_llamacpp.py's
   conversion cache), benchmarks/peers/decode_llamacpp.py under /work/peers/llamacpp/.venv (or
   $WARMSTART_LLAMACPP_PYTHON), one subprocess per round (its load is not timed); skipped when absent.
@@ -52,7 +55,7 @@ from runtime.quant.packed_linear import PackedWeight  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = ("WARMSTART_LLAMACPP_PYTHON", Path("/work/peers/llamacpp/.venv/bin/python"))
-SYSTEMS = ("warmstart", "warmstart-gemv", "warmstart-torch", "llamacpp")
+SYSTEMS = ("warmstart", "warmstart-4k", "warmstart-gemv", "warmstart-torch", "llamacpp")
 
 
 def weight_bytes_per_token(weights: ModelWeights) -> int:
@@ -93,23 +96,34 @@ class Warmstart:
             thread.join()
         self.model = self.llm.engine.runner.model
         self.default_gemv = bool(getattr(self.model.ops, "gemv_kernel", False))
+        weights = self.model.weights
+        self.packed = [w for w in [getattr(layer, f) for layer in weights.layers for f in LINEAR_FIELDS]
+                       + [weights.lm_head] if isinstance(w, PackedWeight)]  # fmt: skip
+        self.huge = [w.weight for w in self.packed]  # where prepacking put them
+        self.small = [t.clone() for t in self.huge]  # torch's allocation: 4 KiB pages
 
     def set_path(self, system: str) -> None:
         self.model.ops.gemv_kernel = self.default_gemv and system != "warmstart-torch"  # type: ignore[attr-defined]
         if self.model.fused_decode is not None:
-            self.model.fused_decode.enabled = system == "warmstart"
+            self.model.fused_decode.enabled = system in ("warmstart", "warmstart-4k")
+        for w, plain in zip(self.packed, self.small if system == "warmstart-4k" else self.huge, strict=True):
+            w.weight = plain
 
-    def token_ms(self, prompt: list[int], new_tokens: int) -> list[float]:
-        """Each generated token after the first: ms from the previous token to it (engine steps, as served)."""
+    def token_ms(self, prompts: list[list[int]], new_tokens: int) -> list[float]:
+        """Each decode step after the first token: ms from the previous step's tokens to its (as served)."""
         engine = self.llm.engine
-        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True))
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True))
         times: list[float] = []
-        produced = 0
+        produced: dict[str, int] = {}
         while engine.has_unfinished():
+            advanced = False
             for out in engine.step():
-                if len(out.token_ids) > produced:
-                    produced = len(out.token_ids)
-                    times.append(time.perf_counter())
+                if len(out.token_ids) > produced.get(out.request_id, 0):
+                    produced[out.request_id] = len(out.token_ids)
+                    advanced = True
+            if advanced:
+                times.append(time.perf_counter())
         return [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
 
 
@@ -132,6 +146,9 @@ def llamacpp_token_ms(python: Path, model_dir: Path, prompt: list[int], new_toke
 def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     systems = list(args.systems)
     python = llamacpp_python()
+    if "llamacpp" in systems and args.sequences > 1:
+        print("llamacpp: one sequence only; skipped", file=sys.stderr)
+        systems.remove("llamacpp")
     if "llamacpp" in systems and python is None:
         print(f"llamacpp: no {LLAMACPP_PYTHON[1]} (set {LLAMACPP_PYTHON[0]}); skipped", file=sys.stderr)
         systems.remove("llamacpp")
@@ -140,19 +157,19 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     for name in systems:  # warm-up, every path
         if name != "llamacpp":
             ours.set_path(name)
-            ours.token_ms([1, 2, 3], 8)
+            ours.token_ms([[1, 2, 3]] * args.sequences, 8)
     rng = random.Random(0)
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
-        prompt = [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]
+        prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_tokens)] for _ in range(args.sequences)]
         row: dict[str, float] = {"bandwidth_gb_s": read_bandwidth() / 1e9}
         for name in systems[r % len(systems):] + systems[: r % len(systems)]:
             if name == "llamacpp":
                 assert python is not None
-                token_ms = llamacpp_token_ms(python, args.model_dir, prompt, args.new_tokens)
+                token_ms = llamacpp_token_ms(python, args.model_dir, prompts[0], args.new_tokens)
             else:
                 ours.set_path(name)
-                token_ms = ours.token_ms(prompt, args.new_tokens)
+                token_ms = ours.token_ms(prompts, args.new_tokens)
             row[name] = statistics.median(token_ms)
             row[name + " mean"] = statistics.fmean(token_ms)
         rounds.append(row)
@@ -218,6 +235,7 @@ def main() -> int:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--sequences", type=int, default=1, help="decode this many sequences at once (ms per step)")
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/warmstart/models/smollm2")
     p.add_argument("--json", type=Path, help="write the rounds and the summary here")
     p.add_argument("--kernel-rows", action="store_true", help="only the gemv kernel against oneDNN, rows 1..8")

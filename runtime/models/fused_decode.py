@@ -18,7 +18,7 @@ import torch
 from runtime.kernels import cpu_gemv
 from runtime.kernels.switches import kernel_chosen
 from runtime.layers.attention import AttentionMetadata, decode_kernel_serves
-from runtime.layers.linear import LinearWeight, plain_weight
+from runtime.layers.linear import plain_weight
 from runtime.layers.rotary import RotaryTables
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LINEAR_FIELDS, ModelWeights
@@ -41,10 +41,10 @@ class FusedDecode:
         # the distinct attention windows; each layer's row of key_starts is its window's place here
         self.windows = list(dict.fromkeys(config.sliding_windows))
         self._table = torch.empty(0, dtype=torch.int64)
-        # what the table was built from: the pool's addresses, and the layers' weight objects (kept, so that the
-        # tensors behind the table's pointers live while it does; prepacking swaps them from a background thread)
+        # what the table was built from: the pool's addresses, and the plain weight tensors (kept, so that what the
+        # table points at lives while it does; prepacking swaps them from a background thread)
         self._table_pool: list[int] = []
-        self._table_weights: list[LinearWeight] = []
+        self._table_weights: list[torch.Tensor | None] = []
 
     @classmethod
     def for_model(
@@ -87,13 +87,13 @@ class FusedDecode:
         return x
 
     def _layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """[layers, cpu_gemv.LAYER_FIELDS], built again only when the pool's tensors or a layer's weights change."""
+        """[layers, cpu_gemv.LAYER_FIELDS], built again only when the pool's tensors or the plain weights change."""
         pool = [cache.data_ptr() for cache in kv_caches]
-        weights: list[LinearWeight] = [getattr(layer, f) for layer in self.weights.layers for f in LINEAR_FIELDS]
+        weights = [plain_weight(getattr(layer, f)) for layer in self.weights.layers for f in LINEAR_FIELDS]
         if pool != self._table_pool or any(a is not b for a, b in zip(weights, self._table_weights, strict=False)):
             rows = []
             for i, layer in enumerate(self.weights.layers):
-                qkv, o_proj, gate_up, down = (plain_weight(w) for w in weights[4 * i : 4 * i + 4])
+                qkv, o_proj, gate_up, down = weights[4 * i : 4 * i + 4]
                 assert qkv is not None and o_proj is not None and gate_up is not None and down is not None
                 cache = kv_caches[i]
                 assert cache.is_contiguous() and cache.dtype == torch.bfloat16

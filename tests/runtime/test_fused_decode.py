@@ -11,6 +11,7 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.kernels import cpu_gemv
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
+from runtime.layers.linear import plain_weight
 from runtime.models.fused_decode import FUSED_ENV, MAX_ROWS, FusedDecode
 from runtime.models.quantize import quantize_model
 from tests.support.reference import assert_close_in_bf16
@@ -188,3 +189,23 @@ def test_a_step_with_lora_takes_the_ordinary_ops(tiny_model_dir, monkeypatch: py
     monkeypatch.setattr(FusedDecode, "run", no_fused_layer)
     assert model.forward(*step, lora=object()).shape == with_lora.shape  # type: ignore[arg-type]
     torch.testing.assert_close(fused_logits, with_lora, rtol=0.05, atol=0.05)
+
+
+def test_the_step_reads_the_plain_weights_the_layers_hold_now(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Its pointer table follows a swap of a packed weight's plain tensor (prepacking's huge-page copy does that from
+    its thread): after the swap the step reads the new tensor, and back again the old one."""
+    llm = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16")
+    assert llm.engine.prepack_thread is not None
+    llm.engine.prepack_thread.join()
+    model = llm.engine.runner.model
+    c = model.config
+    step = decode_step(1, c.num_layers, c.num_kv_heads, c.head_dim, seed=40)[:5]  # one pool: the table stays put
+    before = model.forward(*step)
+    packed = model.weights.layers[0].down
+    original = plain_weight(packed)
+    assert original is not None
+    packed.weight = torch.zeros_like(original)  # type: ignore[union-attr]
+    zeroed = model.forward(*step)
+    packed.weight = original  # type: ignore[union-attr]
+    assert not torch.equal(zeroed, before)
+    assert torch.equal(model.forward(*step), before)
