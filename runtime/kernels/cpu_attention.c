@@ -200,6 +200,22 @@ static void prefill_portable(const PrefillArgs *a, int64_t s, int64_t h, int64_t
 
 static const float pf_zeros[MAX_HEAD_DIM];
 
+/* 2^x for the probabilities the bf16 products take (rounded to bf16 after, 2^-9 apart): a degree-5 polynomial,
+ * within 3e-6 relative; x finite or -inf (masked lanes, zeroed by the caller). */
+AVX512BF16 static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+AVX512BF16 static inline __m512 pf_exp(__m512 x, int dots) { return dots ? exp2_16(x) : exp16(x); }
+
 AVX512BF16 static inline uint32_t load_u32(const uint16_t *p) {
     uint32_t x;
     memcpy(&x, p, sizeof x);
@@ -273,7 +289,9 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
         sum_v[g] = _mm512_setzero_ps();
     }
     memset(sc->ot, 0, sizeof(float) * (size_t)(d_len * rp));
-    const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    /* the bf16 products take exp2 (log2(e) folded in with the scale); the float32 ones keep exp16's accuracy */
+    const __m512 exponent_scale = _mm512_set1_ps(dots ? a->scale * 1.44269504088896341f : a->scale);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     int64_t lo, hi;
     pf_key_range(a, s, seq[2] + t0, seq[2] + t0 + nt - 1, &lo, &hi);
     for (int64_t k0 = lo; k0 <= hi; k0 += PF_KEYS) {
@@ -303,26 +321,34 @@ AVX512BF16 static inline __attribute__((always_inline)) void prefill_avx512_impl
             for (int jj = 0; jj < 4; jj++)
                 for (int g = 0; g < RG; g++) _mm512_store_ps(sc->st + (j + jj) * rp + 16 * g, acc[jj][g]);
         }
-        /* mask, online softmax */
+        /* online softmax over the raw scores, the scale folded into the exponent's argument; masks only on tiles
+         * that reach past a row's own position or below its window (the interior tiles need none) */
+        const int interior = k0 + count - 1 <= seq[2] + t0 &&
+                             (a->window == 0 || k0 >= seq[2] + t0 + nt - 1 - a->window + 1);
         for (int g = 0; g < RG; g++) {
             __m512 tile_max = max_v[g];
-            for (int64_t j = 0; j < count; j++) {
-                const __m512i position = _mm512_set1_epi32((int32_t)(k0 + j));
-                valid[j][g] = _mm512_cmple_epi32_mask(position, high[g]) & _mm512_cmpge_epi32_mask(position, low[g]);
-                const __m512 x = _mm512_mask_mul_ps(minus_inf, valid[j][g], _mm512_load_ps(sc->st + j * rp + 16 * g), scale);
-                _mm512_store_ps(sc->st + j * rp + 16 * g, x);
-                tile_max = _mm512_max_ps(tile_max, x);
+            if (interior) {
+                for (int64_t j = 0; j < count; j++) tile_max = _mm512_max_ps(tile_max, _mm512_load_ps(sc->st + j * rp + 16 * g));
+            } else {
+                for (int64_t j = 0; j < count; j++) {
+                    const __m512i position = _mm512_set1_epi32((int32_t)(k0 + j));
+                    valid[j][g] = _mm512_cmple_epi32_mask(position, high[g]) & _mm512_cmpge_epi32_mask(position, low[g]);
+                    const __m512 x = _mm512_mask_mov_ps(minus_inf, valid[j][g], _mm512_load_ps(sc->st + j * rp + 16 * g));
+                    _mm512_store_ps(sc->st + j * rp + 16 * g, x);
+                    tile_max = _mm512_max_ps(tile_max, x);
+                }
             }
             if (_mm512_cmp_ps_mask(tile_max, max_v[g], _CMP_GT_OQ)) {
-                const __m512 alpha = exp16(_mm512_sub_ps(max_v[g], tile_max));
+                const __m512 alpha = pf_exp(_mm512_mul_ps(_mm512_sub_ps(max_v[g], tile_max), exponent_scale), dots);
                 sum_v[g] = _mm512_mul_ps(sum_v[g], alpha);
                 for (int64_t d = 0; d < d_len; d++)
                     _mm512_store_ps(sc->ot + d * rp + 16 * g, _mm512_mul_ps(_mm512_load_ps(sc->ot + d * rp + 16 * g), alpha));
                 max_v[g] = tile_max;
             }
+            const __m512 shift = _mm512_mul_ps(max_v[g], exponent_scale);
             for (int64_t j = 0; j < count; j++) {
-                const __m512 x = _mm512_load_ps(sc->st + j * rp + 16 * g);
-                const __m512 p = _mm512_maskz_mov_ps(valid[j][g], exp16(_mm512_sub_ps(x, max_v[g])));
+                const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(sc->st + j * rp + 16 * g), exponent_scale, shift);
+                const __m512 p = interior ? pf_exp(x, dots) : _mm512_maskz_mov_ps(valid[j][g], pf_exp(x, dots));
                 sum_v[g] = _mm512_add_ps(sum_v[g], p);
                 _mm512_store_ps(sc->st + j * rp + 16 * g, p);
             }
