@@ -9,5 +9,6 @@ def has_avx512_bf16() -> bool: ...
 def decode_layers(
     x: int, layer_table: int, cos: int, sin: int, positions: int, slots: int, tables: int, key_starts: int,
     key_ends: int, rows: int, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
-    block_size: int, table_width: int, head_stride: int, eps: float, num_threads: int, /,
+    block_size: int, table_width: int, head_stride: int, eps: float, num_threads: int, final_norm: int, head: int,
+    vocab: int, logits: int, /,
 ) -> None: ...

@@ -261,18 +261,33 @@ TARGET static void decode_layer(Step *st, const int64_t *layer, uint16_t *x, uin
 #pragma omp barrier
 }
 
+/* logits[m] = float(bf16(head . bf16(norm(x[m])))) for this thread's rows of the head, as runtime/models/model.py's
+ * _logits computes them (its rms_norm, the gemv, float()); ``h`` the thread's own, ``scratch`` [rows, vocab] shared. */
+TARGET static void final_logits(const Step *st, const uint16_t *x, const uint16_t *norm, const uint16_t *head,
+                                int64_t vocab, uint16_t *scratch, float *logits, uint16_t *h, int t, int nt) {
+    const int64_t rows = st->rows, hidden = st->hidden;
+    int64_t begin, end;
+    for (int64_t m = 0; m < rows; m++) norm_row(h + m * hidden, x + m * hidden, norm, hidden, st->eps);
+    thread_range(vocab, t, nt, &begin, &end);
+    gemv_range(scratch, h, hidden, head, NULL, rows, vocab, hidden, begin, end);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t d = begin; d < end; d++) logits[m * vocab + d] = bf16_to_f32(scratch[m * vocab + d]);
+}
+
 static PyObject *decode_layers(PyObject *self, PyObject *args) {
-    unsigned long long x, layer_table, cos_t, sin_t, positions, slots, tables, key_starts, key_ends;
-    long long rows, num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, head_stride;
+    unsigned long long x, layer_table, cos_t, sin_t, positions, slots, tables, key_starts, key_ends, final_norm, head,
+        logits;
+    long long rows, num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, head_stride, vocab;
     float eps;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKKLLLLLLLLLLfi", &x, &layer_table, &cos_t, &sin_t, &positions, &slots, &tables,
-                          &key_starts, &key_ends, &rows, &num_layers, &hidden, &heads, &kv_heads, &head_dim, &inter,
-                          &block_size, &table_width, &head_stride, &eps, &num_threads))
+    if (!PyArg_ParseTuple(args, "KKKKKKKKKLLLLLLLLLLfiKKLK", &x, &layer_table, &cos_t, &sin_t, &positions, &slots,
+                          &tables, &key_starts, &key_ends, &rows, &num_layers, &hidden, &heads, &kv_heads, &head_dim,
+                          &inter, &block_size, &table_width, &head_stride, &eps, &num_threads, &final_norm, &head,
+                          &vocab, &logits))
         return NULL;
     if (!cpu_has_avx512_bf16()) return PyErr_Format(PyExc_RuntimeError, "decode_layers: no AVX512-BF16");
     if (rows < 1 || rows > MAX_ROWS || head_dim % 2 || head_dim > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads ||
-        heads / kv_heads > MAX_GROUP || block_size < 1 || num_threads < 1)
+        heads / kv_heads > MAX_GROUP || block_size < 1 || num_threads < 1 || (head && (vocab < 1 || !logits || !final_norm)))
         return PyErr_Format(PyExc_ValueError,
                             "decode_layers: rows %lld (at most %d), heads %lld, kv_heads %lld, head_dim %lld, block "
                             "size %lld",
@@ -302,7 +317,8 @@ static PyObject *decode_layers(PyObject *self, PyObject *args) {
     for (int64_t m = 0; m < rows; m++)
         if (a->key_end[m] > longest) longest = a->key_end[m]; /* key_start >= 0: no window attends more */
     /* shared buffers, then each thread's own: h and summed, and attention scores */
-    const int64_t shared = rows * (st.n_qkv + 3 * q_size + hidden + 3 * inter), own = 2 * rows * hidden;
+    const int64_t shared = rows * (st.n_qkv + 3 * q_size + hidden + 3 * inter + (head ? vocab : 0)),
+                  own = 2 * rows * hidden;
     const int64_t score_floats = heads / kv_heads * longest;
     uint16_t *buffer = malloc(sizeof(uint16_t) * (size_t)(shared + num_threads * own));
     float *scores = malloc(sizeof(float) * (size_t)(num_threads * score_floats));
@@ -329,6 +345,10 @@ static PyObject *decode_layers(PyObject *self, PyObject *args) {
         for (int64_t i = 0; i < num_layers; i++)
             decode_layer(&st, layers + i * L_FIELDS, (uint16_t *)(uintptr_t)x, mine, mine + rows * hidden,
                          scores + t * score_floats, t, nt, wide);
+        if (head) /* the final norm and the LM head over this thread's part of the vocabulary, as float32 logits */
+            final_logits(&st, (const uint16_t *)(uintptr_t)x, (const uint16_t *)(uintptr_t)final_norm,
+                         (const uint16_t *)(uintptr_t)head, vocab, st.act + rows * inter, (float *)(uintptr_t)logits,
+                         mine, t, nt);
     }
     Py_END_ALLOW_THREADS
     free(buffer);
@@ -345,8 +365,8 @@ static PyMethodDef methods[] = {
     {"has_avx512_bf16", has_avx512_bf16, METH_NOARGS, "whether this CPU runs gemv"},
     {"decode_layers", decode_layers, METH_VARARGS,
      "decode_layers(x, layer_table, cos, sin, positions, slots, tables, key_starts, key_ends, rows, layers, hidden, "
-     "heads, kv_heads, head_dim, inter, block_size, table_width, head_stride, eps, num_threads): x [rows, hidden] "
-     "through every layer, in place"},
+     "heads, kv_heads, head_dim, inter, block_size, table_width, head_stride, eps, num_threads, final_norm, head, vocab, "
+     "logits): x [rows, hidden] through every layer, in place; with a head (not 0), float32 logits [rows, vocab]"},
     {NULL, NULL, 0, NULL},
 };
 

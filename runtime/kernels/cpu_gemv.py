@@ -89,17 +89,28 @@ def decode_layers(
     x: torch.Tensor, layer_table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, tables: torch.Tensor, key_starts: torch.Tensor, key_ends: torch.Tensor, heads: int,
     kv_heads: int, head_dim: int, inter: int, block_size: int, head_stride: int, eps: float,
-) -> None:  # fmt: skip
+    final_norm: torch.Tensor | None = None, head: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # fmt: skip
     """A decode step's rows x [M, hidden] through every layer of ``layer_table`` [layers, LAYER_FIELDS], in place:
     rms_norm, qkv, rotary, k and v written to their ``slots`` of the pool, attention over it (row m's keys
     key_starts[window, m] <= j < key_ends[m] of its row of ``tables``), o_proj and the residual add, rms_norm,
-    gate_up, SiLU-and-mul, down and the residual add. positions, slots, tables and key ranges: int64."""
+    gate_up, SiLU-and-mul, down and the residual add. positions, slots, tables and key ranges: int64. With
+    ``final_norm`` and ``head`` [vocab, hidden] (bf16, contiguous), also the final rms_norm and the head in the same
+    call: returns float32 logits [M, vocab], each rounded to bf16 first as the separate ops round them."""
     assert _ext is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     for t in (layer_table, positions, slots, tables, key_starts, key_ends):
         assert t.dtype == torch.int64 and t.is_contiguous()
     rows, hidden = x.shape
+    logits = None
+    if head is not None:
+        assert final_norm is not None and head.is_contiguous() and head.dtype == torch.bfloat16
+        assert head.shape[1] == hidden and final_norm.is_contiguous() and final_norm.dtype == torch.bfloat16
+        logits = torch.empty(rows, head.shape[0], dtype=torch.float32)
     _ext.decode_layers(
         x.data_ptr(), layer_table.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
         tables.data_ptr(), key_starts.data_ptr(), key_ends.data_ptr(), rows, layer_table.shape[0], hidden, heads,
         kv_heads, head_dim, inter, block_size, tables.shape[1], head_stride, eps, torch.get_num_threads(),
+        0 if final_norm is None else final_norm.data_ptr(), 0 if head is None else head.data_ptr(),
+        0 if head is None else head.shape[0], 0 if logits is None else logits.data_ptr(),
     )  # fmt: skip
+    return logits

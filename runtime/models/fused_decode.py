@@ -74,17 +74,31 @@ class FusedDecode:
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
         """Every layer over the residual stream x [rows, hidden] (its embeddings; updated in place and returned)."""
+        self._call(x, positions, kv_caches, meta, None)
+        return x
+
+    def logits(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor | None:  # fmt: skip
+        """``run``, then the final norm and the LM head in the same call: float32 logits of every row, as the
+        model's ``_logits`` computes them (the same kernel, the same roundings); None where the head is not a plain
+        bf16 matrix the kernel can read (nothing has run then)."""
+        head = plain_weight(self.weights.lm_head)
+        if head is None or head.dtype != torch.bfloat16 or not head.is_contiguous():
+            return None
+        return self._call(x, positions, kv_caches, meta, head)
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+              head: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
         c, group = self.config, meta.groups[0]
         starts = torch.stack([group.key_range(w)[0] for w in self.windows])
         ends = group.key_range(self.windows[0])[1]
         _, kv_heads, blocks, block_size, head_dim = kv_caches[0].shape
-        cpu_gemv.decode_layers(
+        return cpu_gemv.decode_layers(
             x, self._layer_table(kv_caches), self.cos, self.sin, positions.to(torch.int64).contiguous(),
             meta.slot_mapping.to(torch.int64).contiguous(), group.block_tables.to(torch.int64).contiguous(), starts,
             ends, c.num_heads, kv_heads, head_dim, c.intermediate_size, block_size, blocks * block_size * head_dim,
-            c.rms_norm_eps,
+            c.rms_norm_eps, self.weights.norm if head is not None else None, head,
         )  # fmt: skip
-        return x
 
     def _layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """[layers, cpu_gemv.LAYER_FIELDS], built again only when the pool's tensors or the plain weights change."""

@@ -91,6 +91,10 @@ class Model:
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
         fused = self.fused_decode if lora is None and self.fused_decode and self.fused_decode.serves(n, meta) else None
         if fused is not None:
+            if logits_index.numel() == n:  # every row's logits, in order (a decode row has one at most)
+                logits = fused.logits(x.contiguous(), positions, kv_caches, meta)
+                if logits is not None:
+                    return logits
             return self._logits(fused.run(x.contiguous(), positions, kv_caches, meta), logits_index)
         rotary = ops.rotary_args(self.rotary, positions)
         for i, layer in enumerate(w.layers):

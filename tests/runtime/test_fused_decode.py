@@ -62,8 +62,8 @@ def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypa
                                                                        c.head_dim, seed=20)  # fmt: skip
     reference_caches = [cache.clone() for cache in caches]
     called: list[int] = []
-    run = FusedDecode.run
-    model.fused_decode.run = lambda *a: called.append(1) or run(model.fused_decode, *a)  # type: ignore[method-assign]
+    logits = FusedDecode.logits
+    model.fused_decode.logits = lambda *a: called.append(1) or logits(model.fused_decode, *a)  # type: ignore[method-assign]
     ours = model.forward(tokens, positions, caches, meta, logits_index)
     assert called
     model.fused_decode.enabled = False
@@ -80,6 +80,37 @@ def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypa
         untouched[slots] = False
         assert torch.equal(cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, untouched],
                            reference_cache.view(2, c.num_kv_heads, -1, c.head_dim)[:, :, untouched])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_head_in_the_call_equals_the_separate_ops(rows: int, tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The final norm and the LM head inside the one call give, bit for bit, the logits that the model's own
+    ``_logits`` gives on the call's output (the same norm and gemv code: the ops take the gemv for every row count
+    here). A step that wants some rows' logits only, or whose head the kernel cannot read, takes the separate ops."""
+    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", MAX_ROWS)
+    model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
+    c, fused = model.config, model.fused_decode
+    assert fused is not None
+    tokens, positions, caches, meta, logits_index, _ = decode_step(rows, c.num_layers, c.num_kv_heads, c.head_dim,
+                                                                   seed=40)  # fmt: skip
+    x = model.weights.embed[tokens]
+    ours = fused.logits(x.clone(), positions, [cache.clone() for cache in caches], meta)
+    separate = model._logits(fused.run(x.clone(), positions, [cache.clone() for cache in caches], meta), logits_index)
+    assert ours is not None and ours.dtype == torch.float32 and torch.equal(ours, separate)
+
+    def not_called(*args: object) -> None:
+        raise AssertionError("the head in the call served a step it should not have")
+
+    monkeypatch.setattr(fused, "logits", not_called)
+    some = logits_index[-1:] if rows > 1 else logits_index[:0]
+    assert torch.equal(model.forward(tokens, positions, [cache.clone() for cache in caches], meta, some), ours[some])
+    monkeypatch.undo()
+    head = plain_weight(model.weights.lm_head)
+    assert head is not None
+    model.weights.lm_head = head.t().contiguous().t()  # the same matrix, column-major: not for the kernel
+    assert fused.logits(x.clone(), positions, [cache.clone() for cache in caches], meta) is None
+    fallback = model.forward(tokens, positions, [cache.clone() for cache in caches], meta, logits_index)
+    torch.testing.assert_close(fallback, ours, rtol=0, atol=0.01 * float(ours.abs().max()))
 
 
 def test_the_window_is_what_keeps_the_step_with_the_ops(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -159,8 +190,8 @@ def test_engine_decodes_close_to_the_reference(family: str, tiny_model_dir, monk
     model = llm.engine.runner.model
     assert model.fused_decode is not None
     steps_run: list[int] = []
-    run = FusedDecode.run
-    monkeypatch.setattr(FusedDecode, "run", lambda self, x, *a: steps_run.append(x.shape[0]) or run(self, x, *a))
+    logits = FusedDecode.logits
+    monkeypatch.setattr(FusedDecode, "logits", lambda self, x, *a: steps_run.append(x.shape[0]) or logits(self, x, *a))
     ours = llm.generate(prompts, params)
     assert steps_run and set(steps_run) <= {1, 2}
     model.fused_decode.enabled = False
@@ -186,7 +217,7 @@ def test_a_step_with_lora_takes_the_ordinary_ops(tiny_model_dir, monkeypatch: py
     with_lora = model.forward(*step, lora=object())  # type: ignore[arg-type]
     assert added.count("qkv") == len(model.weights.layers)
     fused_logits = model.forward(*step)  # the same step without LoRA: the fused path, same logits within bf16
-    monkeypatch.setattr(FusedDecode, "run", no_fused_layer)
+    monkeypatch.setattr(FusedDecode, "_call", no_fused_layer)
     assert model.forward(*step, lora=object()).shape == with_lora.shape  # type: ignore[arg-type]
     torch.testing.assert_close(fused_logits, with_lora, rtol=0.05, atol=0.05)
 
