@@ -14,8 +14,9 @@ Shapes (issue 15):
 - long: 2 fresh prompts of 1,536-2,048 tokens
 - cached: 8 prompts of ~100 new tokens (90-110) behind one 768-1,024-token prefix, prefilled (untimed) first
 
-Systems: `warmstart` (the default CPU path: fused small ops, the C prefill attention), `warmstart-sdpa` (the same
-with prefill attention on SDPA, WARMSTART_CPU_PREFILL_ATTENTION=torch), `warmstart-torch`
+Systems: `warmstart` (the default CPU path: fused small ops, the C prefill attention), `warmstart-all-rows` (the same
+with every row through the last layer's o_proj and MLP, not only the rows whose logits are wanted), `warmstart-sdpa`
+(the same with prefill attention on SDPA, WARMSTART_CPU_PREFILL_ATTENTION=torch), `warmstart-torch`
 (WARMSTART_CPU_SMALL_OPS=torch and WARMSTART_CPU_PREFILL_ATTENTION=torch: the PyTorch reference ops), `vllm`
 (benchmarks/peers/prefill_vllm.py under /work/peers/vllm/.venv or $WARMSTART_VLLM_PYTHON, threads bound to the
 first OMP_NUM_THREADS CPUs; skipped with a message when absent).
@@ -62,11 +63,12 @@ def draw(shape: str, seed: int, vocab: int = 49152) -> dict[str, Any]:
 # -- the warmstart worker (this file with --worker) --------------------------------------------------------
 
 
-def warmstart_worker(model_dir: str, max_batched: int) -> None:
+def warmstart_worker(model_dir: str, max_batched: int, all_rows: bool) -> None:
     from runtime import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM.from_hf(model_dir, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=max_batched)
+    llm.engine.runner.model.wanted_rows_only = not all_rows
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     llm.generate([[100 + i for i in range(64)]], one)  # warm-up
     ops = llm.engine.runner.model.ops
@@ -139,9 +141,10 @@ def start(system: str, args: argparse.Namespace) -> Worker | None:
     env.setdefault("OMP_NUM_THREADS", "2")
     if system.startswith("warmstart"):
         env["WARMSTART_CPU_SMALL_OPS"] = "torch" if system == "warmstart-torch" else "kernel"
-        env["WARMSTART_CPU_PREFILL_ATTENTION"] = "kernel" if system == "warmstart" else "torch"
+        env["WARMSTART_CPU_PREFILL_ATTENTION"] = "kernel" if system in ("warmstart", "warmstart-all-rows") else "torch"
         cmd = [sys.executable, __file__, "--worker", "--model-dir", str(args.model_dir),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        cmd += ["--all-rows"] if system == "warmstart-all-rows" else []
         return Worker(system, cmd, env)
     if system == "vllm":
         python = Path(os.environ.get(VLLM_PYTHON[0]) or VLLM_PYTHON[1])
@@ -169,9 +172,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="warmstart's step budget")
     ap.add_argument("--json", action="store_true", help="also print every round as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--all-rows", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        warmstart_worker(str(args.model_dir), args.max_num_batched_tokens)
+        warmstart_worker(str(args.model_dir), args.max_num_batched_tokens, args.all_rows)
         return
     args.model_dir = args.model_dir or default_model_dir()
     workers = [w for w in (start(s, args) for s in args.systems) if w is not None]

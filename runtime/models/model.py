@@ -43,6 +43,9 @@ class Model:
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
         self.sharded = reduce is not None or gather_logits is not None  # one rank's part of the model
+        # Past the last layer's KV write only the rows whose logits a step wants go on (off: benchmarks/prefill.py's
+        # warmstart-all-rows, which measures it)
+        self.wanted_rows_only = True
         # bf16 decode rows on the CPU: every layer in one C call (runtime/models/fused_decode.py), or None
         self.fused_decode = FusedDecode.for_model(config, weights, self.rotary, self.sharded)
         # The LoRA add is an op of its own: layers/ops.py's Ops has none, so the kernels' TritonOps may offer one;
@@ -97,6 +100,8 @@ class Model:
                     return logits
             return self._logits(fused.run(x.contiguous(), positions, kv_caches, meta), logits_index)
         rotary = ops.rotary_args(self.rotary, positions)
+        last = len(w.layers) - 1
+        rows: torch.Tensor | None = logits_index
         for i, layer in enumerate(w.layers):
             h = ops.rms_norm(x, layer.input_norm, eps)
             qkv = linear(h, i, "qkv", layer.qkv_bias)
@@ -110,12 +115,19 @@ class Model:
             q, k = ops.rotary(q, k, rotary)
             ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
+            if i == last and self.wanted_rows_only and lora is None and not self.sharded and logits_index.numel() < n:
+                # The last layer's KV is written; past this point a row feeds nothing but its logits, so only the
+                # rows whose logits are wanted go on (a prompt's last token; none for a chunk before its last).
+                # Not for a LoRA step (its rows map to adapters) or a tensor-parallel shard (ranks that see another
+                # logits_index would all-reduce tensors of other sizes).
+                attn, x, rows = attn[logits_index], x[logits_index], None
             h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
             x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
-        return self._logits(x, logits_index)
+        return self._logits(x, rows)
 
-    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        h = self.ops.rms_norm(x[logits_index], self.weights.norm, self.config.rms_norm_eps)
+    def _logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Float32 logits of x's ``rows`` (None: every row)."""
+        h = self.ops.rms_norm(x if rows is None else x[rows], self.weights.norm, self.config.rms_norm_eps)
         return self.gather_logits(self.ops.linear(h, self.weights.lm_head).float())
 
 
