@@ -27,11 +27,6 @@
 #include "decode_attention.h"
 
 static int have_avx512;
-/* The instruction sets the kernels may use: what the CPU has, and what is used (tests lower it; decode takes bf16
- * dot products at the top level too). */
-enum { PREFILL_PORTABLE, PREFILL_AVX512, PREFILL_AVX512_BF16 };
-static int prefill_best, prefill_level;
-static const char *const prefill_levels[] = {"portable", "avx512", "avx512_bf16"};
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     DecodeArgs a;
@@ -53,7 +48,6 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     a.block_shift = -1;
     for (int shift = 0; shift < 31; shift++)
         if (((int64_t)1 << shift) == a.block_size) a.block_shift = shift;
-    a.dots = a.bf16 && prefill_level == PREFILL_AVX512_BF16 && a.head_dim % 32 == 0;
     a.out = (void *)(uintptr_t)out;
     a.q = (const void *)(uintptr_t)q;
     a.k = (const void *)(uintptr_t)k;
@@ -454,6 +448,10 @@ AVX512BF16 static void prefill_avx512(const PrefillArgs *a, int64_t s, int64_t h
     }
 }
 
+enum { PREFILL_PORTABLE, PREFILL_AVX512, PREFILL_AVX512_BF16 };
+static int prefill_best, prefill_level; /* what the CPU has; what is used (tests lower it) */
+static const char *const prefill_levels[] = {"portable", "avx512", "avx512_bf16"};
+
 static void free_scratch(Scratch *sc) {
     free(sc->qt);
     free(sc->st);
@@ -617,8 +615,8 @@ static PyMethodDef methods[] = {
      "write_kv(k_pool, v_pool, k, v, slots, n, kv_heads, head_dim, pool_slots, k_stride, v_stride, elem_size): "
      "pointers as ints; see the comment above write_kv."},
     {"prefill_isa", prefill_isa, METH_VARARGS,
-     "prefill_isa([name]): the instruction set prefill uses (portable, avx512, avx512_bf16; decode takes bf16 dot "
-     "products at avx512_bf16 too); a name lowers it (for tests)."},
+     "prefill_isa([name]): the instruction set prefill uses (portable, avx512, avx512_bf16); a name lowers it "
+     "(for tests)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -310,7 +310,6 @@ static PyObject *decode_layers(PyObject *self, PyObject *args) {
     a->head_stride = head_stride;
     a->scale = 1.0f / sqrtf((float)head_dim);
     a->bf16 = 1;
-    a->dots = head_dim % 32 == 0; /* this kernel runs only where the CPU has AVX512-BF16 */
     a->block_shift = -1;
     for (int shift = 0; shift < 31; shift++)
         if (((int64_t)1 << shift) == block_size) a->block_shift = shift;

@@ -22,7 +22,6 @@ typedef struct {
     int64_t batch, heads, kv_heads, head_dim, block_size, table_width, head_stride;
     float scale;
     int bf16;
-    int dots;        /* bf16 pool, head_dim a multiple of 32, AVX512-BF16: the scores as bf16 dot products */
     int block_shift; /* log2(block_size), or -1 when it is not a power of two */
 } DecodeArgs;
 
@@ -108,10 +107,8 @@ static void attend(const DecodeArgs *a, int64_t b, int64_t h, float *scores) {
 }
 
 /* AVX-512: head_dim a multiple of 16, one zmm per 16 elements of a row. Written out by hand because the
- * compiler vectorizes the portable version poorly: a horizontal sum per dot product, expf one value at a time.
- * Compiled for AVX512-BF16 so that one body serves both; without ``dots`` it emits no BF16 instruction (the compiler
- * uses them only for their intrinsics), so it runs on AVX-512 CPUs without them. */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+ * compiler vectorizes the portable version poorly: a horizontal sum per dot product, expf one value at a time. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 AVX512 static inline __m512 load16(const DecodeArgs *a, const void *base, int64_t offset) {
     if (a->bf16) {
@@ -159,22 +156,15 @@ AVX512 static inline __attribute__((always_inline)) void attend_avx512_impl(cons
     const int64_t start = a->key_start[b], n = a->key_end[b] - start;
     const int64_t *table = a->tables + b * a->table_width;
     /* Flat, so that a small group's vectors sit together. */
-    __m512 q[MAX_GROUP * MAX_HEAD_DIM / 16], acc[MAX_GROUP * MAX_HEAD_DIM / 16], partial[MAX_GROUP * 16];
+    __m512 q[MAX_GROUP * MAX_HEAD_DIM / 16], acc[MAX_GROUP * MAX_HEAD_DIM / 16], dots[MAX_GROUP * 16];
     __m512 row[MAX_HEAD_DIM / 16 > 16 ? MAX_HEAD_DIM / 16 : 16];
     __m512 max_v[MAX_GROUP];
 
     const __m512 scale = _mm512_set1_ps(a->scale);
-    /* with dots: q as it is, 32 bf16 a vector (chunks / 2 of them), the scale applied to the sums instead */
-    const int dots = a->dots;
     for (int64_t g = 0; g < group; g++) {
         const int64_t offset = (b * a->heads + h * group + g) * d_len;
         for (int64_t c = 0; c < chunks; c++) {
-            if (dots)
-                q[g * chunks + c] = c < chunks / 2
-                    ? _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)a->q + offset + 32 * c))
-                    : _mm512_setzero_ps();
-            else
-                q[g * chunks + c] = _mm512_mul_ps(load16(a, a->q, offset + 16 * c), scale);
+            q[g * chunks + c] = _mm512_mul_ps(load16(a, a->q, offset + 16 * c), scale);
             acc[g * chunks + c] = _mm512_setzero_ps();
         }
         max_v[g] = _mm512_set1_ps(-INFINITY);
@@ -185,30 +175,19 @@ AVX512 static inline __attribute__((always_inline)) void attend_avx512_impl(cons
         if (i + m < n) prefetch_rows(a, a->k, row_offset(a, table, h, j + m), m);
         for (int64_t t = 0; t < 16; t++) {
             if (t >= m) {
-                for (int64_t g = 0; g < group; g++) partial[g * 16 + t] = _mm512_setzero_ps();
-                continue;
-            }
-            if (dots) { /* two dims a lane, products exact, summed in float32 */
-                const uint16_t *k_row = (const uint16_t *)a->k + offset + t * d_len;
-                for (int64_t c = 0; c < chunks / 2; c++) row[c] = _mm512_castsi512_ps(_mm512_loadu_si512(k_row + 32 * c));
-                for (int64_t g = 0; g < group; g++) {
-                    __m512 dot = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < chunks / 2; c++)
-                        dot = _mm512_dpbf16_ps(dot, (__m512bh)q[g * chunks + c], (__m512bh)row[c]);
-                    partial[g * 16 + t] = dot;
-                }
+                for (int64_t g = 0; g < group; g++) dots[g * 16 + t] = _mm512_setzero_ps();
                 continue;
             }
             for (int64_t c = 0; c < chunks; c++) row[c] = load16(a, a->k, offset + t * d_len + 16 * c);
             for (int64_t g = 0; g < group; g++) {
                 __m512 dot = _mm512_mul_ps(q[g * chunks], row[0]);
                 for (int64_t c = 1; c < chunks; c++) dot = _mm512_fmadd_ps(q[g * chunks + c], row[c], dot);
-                partial[g * 16 + t] = dot;
+                dots[g * 16 + t] = dot;
             }
         }
         const __mmask16 valid = (__mmask16)((1u << m) - 1);
         for (int64_t g = 0; g < group; g++) {
-            const __m512 sums = sum_lanes16(partial + g * 16), s = dots ? _mm512_mul_ps(sums, scale) : sums;
+            const __m512 s = sum_lanes16(dots + g * 16);
             _mm512_mask_storeu_ps(scores + g * n + i, valid, s);
             max_v[g] = _mm512_mask_max_ps(max_v[g], valid, max_v[g], s);
         }
