@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from handlers import demo, deploy_templates, prepare_command, serve, snapshot_commands
 from handlers.errors import CliError
 
 
+class Parser(argparse.ArgumentParser):
+    """No abbreviations: argparse would read ``--api-key`` as ``--api-key-env`` (a prefix of it) and so on. The
+    subcommands' parsers are of this class too (add_subparsers makes them of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="warmstart", description="Cold-start-optimized LLM runtime.")
+    parser = Parser(prog="warmstart", description="Cold-start-optimized LLM runtime.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_command(sub)
     snapshot_commands.add_commands(sub)

@@ -79,9 +79,13 @@ def add_command(sub: Any) -> None:
     limits.add_argument("--keep-alive-seconds", type=float, default=KEEP_ALIVE_SECONDS,
                         help="how long an idle keep-alive connection stays open; keep it above the idle timeout of "
                              f"a load balancer in front (default {KEEP_ALIVE_SECONDS:g}, above AWS ALB's 60)")
-    limits.add_argument("--api-key-env", default="WARMSTART_API_KEY", metavar="NAME",
-                        help="environment variable holding the API key; when set, every route but /health needs "
-                             "'Authorization: Bearer <key>' (default WARMSTART_API_KEY)")
+    auth = limits.add_mutually_exclusive_group()
+    auth.add_argument("--api-key", metavar="KEY",
+                      help="the API key, as vLLM's --api-key: every route but /health needs 'Authorization: Bearer "
+                           "KEY' (a process listing shows it; --api-key-env keeps it out of one)")
+    auth.add_argument("--api-key-env", metavar="NAME",
+                      help="environment variable holding the API key (it must be set and not empty); without "
+                           f"either option the key is ${DEFAULT_KEY_ENV} where that is set, else no key is needed")
     kv_tier_options.add_arguments(serve)
     http = serve.add_argument_group("http")
     http.add_argument("--allowed-origins", type=origin_list, default=(), metavar="ORIGINS",
@@ -109,6 +113,25 @@ def origin_list(value: str) -> tuple[str, ...]:
     return origins
 
 
+DEFAULT_KEY_ENV = "WARMSTART_API_KEY"
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key every request must bear, or None; an auth option that resolves to no key refuses to start."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise CliError("--api-key is empty: give the key, or leave the option out to serve without one")
+        return str(args.api_key)
+    if args.api_key_env is not None:
+        key = os.environ.get(args.api_key_env, "")
+        if not key.strip():
+            raise CliError(f"--api-key-env {args.api_key_env}: that environment variable is "
+                           f"{'empty' if args.api_key_env in os.environ else 'not set'}; set it to the key, or "
+                           "leave the option out to serve without one")
+        return key
+    return os.environ.get(DEFAULT_KEY_ENV) or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
@@ -128,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       if getattr(args, name) is not None}
     if args.tensor_parallel > 1 and args.speculative:
         raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")
+    key = api_key(args)
     kv_tier = kv_tier_options.config_from(args)
     ranks = plan_ranks(args)
     if ranks.is_follower:
@@ -142,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start_followers(ranks, args)  # on one machine: they load their shards while rank 0 starts listening
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    limits = Limits(args.max_queue, args.max_body_bytes, os.environ.get(args.api_key_env) or None,
+    limits = Limits(args.max_queue, args.max_body_bytes, key,
                     args.body_timeout_seconds, args.sse_ping_seconds, args.allowed_origins, args.access_log)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url,
                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)

@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m runtime.random_model",
         description="Write an HF model directory with random weights for a config.json.",
+        allow_abbrev=False,
     )
     parser.add_argument("config", help="path to an HF config.json")
     parser.add_argument("out_dir", help="directory to write the model into")
