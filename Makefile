@@ -1,5 +1,5 @@
 # warmstart: `make demo` snapshots a random model and serves it (Ctrl-C stops), `make test` runs lint, types
-# and tests.
+# and tests (and, on an AVX-512 CPU, the engine tests again as an AVX2-only CPU runs them).
 # GPU machines: `make test TORCH=torch` (pip picks the CUDA build of torch).
 
 TORCH ?= torch==2.13.0
@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst $() ,_,$
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kernels/cpu_small_ops.c runtime/kernels/cpu_gemv.c runtime/kernels/cpu_lora.c runtime/kernels/bf16.h runtime/kernels/decode_attention.h runtime/kernels/vec512.h
+$(STAMP): pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kernels/cpu_small_ops.c runtime/kernels/cpu_gemv.c runtime/kernels/cpu_lora.c runtime/kernels/bf16.h runtime/kernels/decode_attention.h runtime/kernels/vec512.h runtime/kernels/vec256.h runtime/kernels/isa.h
 	@test -n "$(PYTHON)" || { echo "python3.11 (or python3) not found on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
@@ -30,8 +30,13 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# The paths an AVX2-only CPU takes, on a CPU with more: our kernels, oneDNN and ATen all held to AVX2 (issue 29).
+AVX2_ONLY := WARMSTART_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+
 test: venv lint typecheck
 	$(BIN)/pytest -q
+	if $(BIN)/python -c "import sys; from runtime.kernels import isa; sys.exit(not isa.at_least('avx512'))"; then \
+		$(AVX2_ONLY) $(BIN)/pytest -q -p no:cacheprovider tests/runtime -m "not kernels"; fi
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

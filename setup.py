@@ -5,12 +5,14 @@ install still succeeds and runtime/layers/ uses its PyTorch paths."""
 
 from setuptools import Extension, setup
 
+HEADERS = [f"runtime/kernels/{name}.h" for name in ("bf16", "isa", "vec256", "vec512", "decode_attention")]
+
 setup(
     ext_modules=[
         Extension(
             "runtime.kernels._cpu_attention",
             sources=["runtime/kernels/cpu_attention.c"],
-            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h", "runtime/kernels/vec512.h"],
+            depends=HEADERS,
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -18,7 +20,7 @@ setup(
         Extension(  # the small ops between the CPU path's matmuls, fused (runtime/kernels/cpu_small_ops.py)
             "runtime.kernels._cpu_small_ops",
             sources=["runtime/kernels/cpu_small_ops.c"],
-            depends=["runtime/kernels/bf16.h", "runtime/kernels/vec512.h"],
+            depends=HEADERS,
             # no fused multiply-add: the kernels round where their PyTorch references do
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
@@ -27,7 +29,7 @@ setup(
         Extension(  # many LoRA adapters over one bf16 batch, one call per linear (runtime/kernels/cpu_lora.py)
             "runtime.kernels._cpu_lora",
             sources=["runtime/kernels/cpu_lora.c"],
-            depends=["runtime/kernels/bf16.h"],
+            depends=HEADERS,
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -35,7 +37,7 @@ setup(
         Extension(  # bf16 matrix-vector products for decode steps (runtime/kernels/cpu_gemv.py)
             "runtime.kernels._cpu_gemv",
             sources=["runtime/kernels/cpu_gemv.c"],
-            depends=["runtime/kernels/bf16.h", "runtime/kernels/decode_attention.h", "runtime/kernels/vec512.h"],
+            depends=HEADERS,
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
             optional=True,

@@ -83,7 +83,8 @@ def add_command(sub: Any) -> None:
                       "(~/.cache/warmstart/demo-model) without trying to fetch the real one")
     demo.add_argument("--system-file", type=pathlib.Path, help="system prompt to snapshot (default: a long "
                       "built-in one)")
-    demo.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 (default bfloat16)")
+    demo.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32 (default auto: "
+                      "bfloat16, which serves on every CPU kind)")
     demo.add_argument("--store", help="store to build into (default $WARMSTART_STORE or the local default)")
     demo.add_argument("--cache", type=pathlib.Path, help="local blob cache (default $WARMSTART_CACHE)")
     demo.add_argument("--port", type=port_number, default=8000, help="port to serve on; 0 picks a free one")
@@ -133,6 +134,7 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
 
     with user_errors():
         import runtime
+        from runtime.engine.dtype_choice import stored_dtype
         from snapshot.errors import NotFound
         from snapshot.format import Manifest, blob_id, file_blob_id
         from snapshot.stores import open_store
@@ -142,7 +144,7 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
             sid = store.get_ref(DEMO_REF)
             m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
             sources = m["provenance"]["sources"]
-            if (m["engine"]["version"] == runtime.__version__ and m["engine"]["dtype"] == args.dtype
+            if (m["engine"]["version"] == runtime.__version__ and m["engine"]["dtype"] == stored_dtype(args.dtype)
                     and sources.get(f"system:{PREFIX_NAME}") == blob_id(system_text.encode())
                     and sources.get("config.json") == file_blob_id(model_dir / "config.json")):
                 return sid

@@ -157,10 +157,12 @@ class _EngineCollector(Collector):
             yield from _kv_tier_metrics(stats.kv_tier, counter)
         if m.engine_info:
             # An info gauge (value 1) as vLLM's cache_config_info: the labels say where and on what it serves.
-            info = GaugeMetricFamily(PREFIX + "engine_info", "Where the engine runs: device (cpu, cuda:N) and ops "
-                                     "(torch: PyTorch ops; triton: the Triton kernels).",
-                                     labels=["model_name", "device", "ops"])
-            info.add_metric([m.model_name, m.engine_info["device"], m.engine_info["ops"]], 1.0)
+            labels = ("device", "ops", "dtype", "cpu_isa", "matmul_dtype")
+            info = GaugeMetricFamily(PREFIX + "engine_info", "Where the engine runs: device (cpu, cuda:N), ops "
+                                     "(torch: PyTorch ops; triton: the Triton kernels), the model's dtype, on the CPU "
+                                     "the kernels' instruction set (portable, avx2, avx512, avx512_bf16) and the "
+                                     "dtype prefill's matmuls compute in.", labels=["model_name", *labels])
+            info.add_metric([m.model_name, *(m.engine_info.get(k, "") for k in labels)], 1.0)
             yield info
         if m.device_copy is not None:
             yield GaugeMetricFamily(PREFIX + "device_copy_bytes", "Weight bytes copied to the device at cold start.",

@@ -43,7 +43,9 @@ def add_commands(sub: Any) -> None:
     build.add_argument("--quant", default="none", help="none | int8 | int4 | nf4 (weight-only)")
     build.add_argument("--group-size", type=positive_int, default=None,
                        help="int4/nf4 group size: 32, 64, 128 or 256 (default: the largest that fits, up to 128)")
-    build.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    build.add_argument("--dtype", default="auto",
+                       help="auto | bfloat16 | float16 | float32 (default auto: bfloat16, which serves on every "
+                       "CPU kind)")
     build.add_argument("--block-size", type=positive_int, default=16, help="KV block size the engine will use")
     build.add_argument("--draft", type=Path, metavar="DRAFT_DIR",
                        help="a draft model (same tokenizer) for `serve --speculative draft`, stored as its own blobs")

@@ -182,12 +182,15 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             "engine": {k: summary[k] for k in ENGINE_INFO},
             "device": summary["device"],
             "ops": summary["ops"],
+            "cpu_isa": summary["cpu_isa"],
+            "matmul_dtype": summary["matmul_dtype"],
         }
         if report.device_copy is not None:
             info["device_copy"] = report.device_copy
         state.loras = {lora["name"]: {**lora, "source": "snapshot"} for lora in lora_summaries(manifest)}
         state.lora_source = LoraSource(store, blob_cache, report.snapshot_id)
-        state.metrics.engine_info = {"device": summary["device"], "ops": summary["ops"]}
+        state.metrics.engine_info = {k: str(summary[k] or "") for k in ("device", "ops", "dtype", "cpu_isa",
+                                                                        "matmul_dtype")}
         state.metrics.max_loras = engine.options.max_loras
         state.metrics.device_copy = report.device_copy
         if state.group is not None:
@@ -198,7 +201,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         ready_at = time.monotonic()
         state.set_ready(AsyncLLM(engine), model, info)
         timeline.mark("ready", at=ready_at, url=state.url, snapshot_id=report.snapshot_id, model=state.model_name,
-                      device=summary["device"], ops=summary["ops"])
+                      device=summary["device"], ops=summary["ops"], dtype=summary["dtype"], cpu_isa=summary["cpu_isa"],
+                      matmul_dtype=summary["matmul_dtype"])
     except Exception as e:
         state.fail(_describe(e, state.ref))
 

@@ -19,7 +19,7 @@ class LLM:
         cls,
         model_dir: str | Path,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,

@@ -9,7 +9,7 @@ the same snapshot id.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 import runtime
 from runtime.engine.adapters import alignment_advice, wasted_slots
+from runtime.engine.dtype_choice import stored_dtype
 from runtime.engine.engine import LLMEngine
 from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_weights
 from runtime.generation_config import GenerationConfigError
@@ -68,6 +69,7 @@ def build_snapshot(
     log: Callable[[str], None] = lambda _: None,
 ) -> BuiltSnapshot:
     options.validate()
+    options = replace(options, dtype=stored_dtype(options.dtype))
     model_dir = Path(model_dir)
     config_raw = _read_config(model_dir)
     config = ModelConfig.from_dict(config_raw, source=str(model_dir / "config.json"))

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from runtime.engine.dtype_choice import AUTO
 from runtime.engine.engine import EngineOptions, LLMEngine
 from runtime.engine.tensor_parallel import TensorParallelError, check_shardable, shard_kv
 from runtime.models.config import ModelConfig
@@ -44,7 +45,7 @@ class PrefixSpec:
 class BuildOptions:
     quant: str = "none"
     group_size: int | None = None  # None: the largest that fits every layer (runtime.quant.formats decides)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # stores bfloat16, which every CPU kind serves (runtime/engine/dtype_choice.py)
     block_size: int = 16
     prefixes: list[PrefixSpec] = field(default_factory=list)
     adapters: list[AdapterSpec] = field(default_factory=list)  # PEFT prompt-learning adapters
@@ -61,8 +62,8 @@ class BuildOptions:
             raise BuildError(f"--quant must be one of {', '.join(SCHEMES)}, got {self.quant!r}")
         if self.draft_quant not in SCHEMES:
             raise BuildError(f"--draft-quant must be one of {', '.join(SCHEMES)}, got {self.draft_quant!r}")
-        if self.dtype not in DTYPES:
-            raise BuildError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise BuildError(f"--dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise BuildError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel < 1:

@@ -44,7 +44,7 @@ def test_gpu_check_dry_run_fills_every_section(full_dry_run: DryRun) -> None:
         "matches": True, "ops": "triton", "graph_batch_sizes": []  # graphs are CUDA-only
     }
     drift = sections["bf16_drift"]["result"]["tiny-llama"]
-    assert drift["matches"] and drift["ours_fp32_max_diff"] < 1e-3 and len(drift["rows"]) == 2
+    assert drift["matches"] and drift["ours_fp32_max_diff"] < 1e-3 and len(drift["rows"]) == 6
     kernels = sections["first_call"]["result"]["carried_cache"]["kernels"]
     assert {"decode_attention_split", "prefill_attention", "int8_matmul"} <= set(kernels)
     assert all(r["ratio"] > 0 for name, r in sections["throughput"]["result"].items() if name.startswith("tiny-"))

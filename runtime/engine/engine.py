@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from runtime.engine.adapters import AdapterSelector, VirtualPrefix, virtual_toke
 from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from runtime.engine.device import cuda_memory, resolve_device
+from runtime.engine.dtype_choice import AUTO, cpu_path, resolve_dtype
 from runtime.engine.kv_tier import KVTier
 from runtime.engine.lora import LoraLoadError, LoraManager, LoraStats, LoraWeights
 from runtime.engine.model_runner import ModelRunner, StepInputs
@@ -30,7 +31,7 @@ from runtime.models.config import ModelConfig
 from runtime.models.model import Collective, Model
 from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background, weights_to
 from runtime.outputs import EngineStats, RequestOutput
-from runtime.quant.packed_linear import can_prepack
+from runtime.quant.packed_linear import packing_dtype
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Detokenizer, Tokenizer
 
@@ -42,7 +43,7 @@ TIER_IDLE_WAIT_S = 0.005  # with nothing running, a step waits this long for a K
 
 @dataclass
 class EngineOptions:
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # or bfloat16, float16, float32 (runtime/engine/dtype_choice.py)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: size the pool from available memory
     max_num_seqs: int = 64
@@ -70,8 +71,8 @@ class EngineOptions:
         return min(self.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -153,6 +154,7 @@ class LLMEngine:
         options = options or EngineOptions()
         options.validate()
         where = resolve_device(device)
+        options = replace(options, dtype=resolve_dtype(options.dtype, where))
         config = ModelConfig.from_dir(model_dir)
         weights = weights_to(load_weights(model_dir, config, DTYPES[options.dtype]), where)
         tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -182,6 +184,8 @@ class LLMEngine:
         ``reduce``, ``gather_logits`` and ``before_step`` join a tensor-parallel group (see runtime.models.model
         and runtime/engine/tensor_parallel.py); ``pinned_blocks`` as for the constructor."""
         options.validate()
+        if options.dtype == AUTO:  # the weights are already in theirs
+            options = replace(options, dtype=str(weights.embed.dtype).removeprefix("torch."))
         max_len = options.context_length(config)
         draft_model = None
         if draft is not None:
@@ -189,7 +193,8 @@ class LLMEngine:
             draft_model = Model(draft[0], draft[1], max_len)
         model = Model(config, weights, max_len, reduce, gather_logits)
         engine = cls(model, tokenizer, options, draft_model, before_step, pinned_blocks)
-        if options.prepack_weights and weights.embed.device.type == "cpu" and can_prepack(DTYPES[options.dtype]):
+        packs = packing_dtype(DTYPES[options.dtype]) is not None
+        if options.prepack_weights and weights.embed.device.type == "cpu" and packs:
             engine.prepack_thread = prepack_in_background(weights, *([draft[1]] if draft is not None else []))
         return engine
 
@@ -708,7 +713,7 @@ class LLMEngine:
                 "max_model_len": self.max_model_len, "speculative": o.speculative,
                 "num_speculative_tokens": o.num_speculative_tokens, "adapters": sorted(self.adapters),
                 "adapter_selector": self.adapter_selector is not None, "device": str(self.runner.device),
-                "ops": self.runner.model.ops.name}
+                "ops": self.runner.model.ops.name, **cpu_path(o.dtype, self.runner.device)}
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -762,8 +767,14 @@ def kv_blocks_for_memory(
     return min(blocks, useful)
 
 
+def _element_size(o: EngineOptions) -> int:
+    # "auto" not yet resolved (a size estimate before the engine exists): bfloat16's, what it resolves to wherever
+    # the kernels have a vector path (runtime/engine/dtype_choice.py)
+    return torch.empty((), dtype=DTYPES["bfloat16" if o.dtype == AUTO else o.dtype]).element_size()
+
+
 def kv_block_bytes(c: ModelConfig, o: EngineOptions, draft: ModelConfig | None = None) -> int:
-    elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
+    elem = _element_size(o)
     block_bytes = 2 * c.num_layers * o.block_size * c.num_kv_heads * c.head_dim * elem
     if draft is not None:  # a block id holds KV in the draft's pool too
         block_bytes += 2 * draft.num_layers * o.block_size * draft.num_kv_heads * draft.head_dim * elem
@@ -775,7 +786,7 @@ def activation_reserve(c: ModelConfig, o: EngineOptions) -> int:
     tensors for a full step of ``max_num_batched_tokens`` (the residual stream, the normed input, QKV, the
     attention output, gate/up and its product), the logits of the rows a step samples (in the model's dtype
     and in float32), the same for the largest captured decode graph, and CUDA_WORKSPACE_BYTES."""
-    elem = torch.empty((), dtype=DTYPES[o.dtype]).element_size()
+    elem = _element_size(o)
     per_token = 3 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size
     per_logits_row = c.vocab_size * (elem + 4)
     proposals = o.num_speculative_tokens if o.speculative else 0

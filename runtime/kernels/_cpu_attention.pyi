@@ -2,7 +2,6 @@
 
 MAX_GROUP: int
 MAX_HEAD_DIM: int
-PREFILL_BEST_ISA: str  # the best instruction set prefill can use here: portable, avx512 or avx512_bf16
 
 def decode(
     out: int, q: int, k: int, v: int, tables: int, key_start: int, key_end: int,
@@ -14,7 +13,8 @@ def prefill(
     heads: int, kv_heads: int, head_dim: int, block_size: int, table_width: int, head_stride: int,
     q_stride: int, out_stride: int, window: int, scale: float, bf16: int, num_threads: int, /,
 ) -> None: ...
-def prefill_isa(name: str | None = None, /) -> str: ...
+def isa(name: str | None = None, /) -> str: ...  # runtime/kernels/isa.h; set all levels through isa.py
+def best_isa() -> str: ...
 def write_kv(
     k_pool: int, v_pool: int, k: int, v: int, slots: int, n: int, kv_heads: int, head_dim: int,
     pool_slots: int, k_stride: int, v_stride: int, elem_size: int, /,

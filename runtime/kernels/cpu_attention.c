@@ -15,7 +15,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <immintrin.h>
 #include <limits.h>
 #include <math.h>
 #include <stdint.h>
@@ -23,10 +22,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "isa.h"
 
 #include "decode_attention.h"
-
-static int have_avx512;
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     DecodeArgs a;
@@ -59,7 +57,6 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     for (int64_t b = 0; b < a.batch; b++)
         if (a.key_end[b] - a.key_start[b] > longest) longest = a.key_end[b] - a.key_start[b];
     const int64_t group = a.heads / a.kv_heads, pairs = a.batch * a.kv_heads;
-    const int wide = have_avx512 && a.head_dim % 16 == 0;
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -68,12 +65,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < pairs; i++)
-            if (scores == NULL)
-                continue;
-            else if (wide)
-                attend_avx512(&a, i / a.kv_heads, i % a.kv_heads, scores);
-            else
-                attend(&a, i / a.kv_heads, i % a.kv_heads, scores);
+            if (scores != NULL) attend_dispatch(&a, i / a.kv_heads, i % a.kv_heads, scores);
         free(scores);
     }
     Py_END_ALLOW_THREADS
@@ -96,11 +88,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
  * (broadcast) * P^T[key][row], and the online softmax's running max and sum are lane-wise, with no horizontal
  * reductions. Keys go in tiles of PF_KEYS, which may span pool blocks. With AVX512-BF16 the products take two
  * dims (QK) or two keys (PV) at a time, bf16 x bf16 summed in float32 (vdpbf16ps); P is rounded to bf16 for it,
- * as SDPA's bf16 path rounds it. Otherwise float32 FMAs; without AVX-512 (or head_dim not a multiple of 16), a
- * portable two-pass loop per query.
+ * as SDPA's bf16 path rounds it. Otherwise float32 FMAs, on 16 lanes with AVX-512 (head_dim a multiple of 16) or
+ * on 8 with AVX2 (a multiple of 8), the same floats either way; below that (isa.h's portable level, aarch64), a
+ * portable two-pass loop per query, which runtime/layers/attention.py leaves to SDPA as slower.
  */
 #define PF_KEYS 32
-#define PF_ROWS 64 /* rows per work item at most: four vectors of 16 lanes */
+#define PF_ROWS 64 /* rows per work item at most: four vectors of 16 lanes, eight of 8 */
 
 typedef struct {
     void *out;
@@ -194,6 +187,8 @@ static void prefill_portable(const PrefillArgs *a, int64_t s, int64_t h, int64_t
     }
 }
 
+#if WARMSTART_X86
+
 /* The AVX-512 paths. Compiled for AVX512-BF16 so that one body serves both; with ``dots`` 0 it uses no BF16
  * instruction (the compiler emits them only for their intrinsics), so it runs on AVX-512 CPUs without them. */
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -217,15 +212,15 @@ AVX512BF16 static inline __m512 exp2_16(__m512 x) {
 
 AVX512BF16 static inline __m512 pf_exp(__m512 x, int dots) { return dots ? exp2_16(x) : exp16(x); }
 
-AVX512BF16 static inline uint32_t load_u32(const uint16_t *p) {
+static inline uint32_t load_u32(const uint16_t *p) {
     uint32_t x;
     memcpy(&x, p, sizeof x);
     return x;
 }
 
 /* Q^T of the tile's ``rows`` rows (the rest of the RP lanes zero). */
-AVX512BF16 static inline void pf_pack_queries(const PrefillArgs *a, int64_t s, int64_t h, int64_t t0, int64_t rows,
-                                              int64_t rp, int dots, Scratch *sc) {
+static inline void pf_pack_queries(const PrefillArgs *a, int64_t s, int64_t h, int64_t t0, int64_t rows, int64_t rp,
+                                   int dots, Scratch *sc) {
     const int64_t d_len = a->head_dim, group = a->heads / a->kv_heads, e = dots ? d_len / 2 : d_len;
     for (int64_t r = 0; r < rp; r++) {
         if (r >= rows) {
@@ -448,9 +443,206 @@ AVX512BF16 static void prefill_avx512(const PrefillArgs *a, int64_t s, int64_t h
     }
 }
 
-enum { PREFILL_PORTABLE, PREFILL_AVX512, PREFILL_AVX512_BF16 };
-static int prefill_best, prefill_level; /* what the CPU has; what is used (tests lower it) */
-static const char *const prefill_levels[] = {"portable", "avx512", "avx512_bf16"};
+/* ---- AVX2 (with FMA and F16C): prefill_avx512's float32 path on 8 lanes ----
+ * A work item's rows fill RG vectors of 8 lanes (RG up to 8). AVX2 has 16 registers, so S^T and O^T are computed
+ * in blocks of PF8_BLOCK vectors of rows times 4 keys (or 4 dims); each lane's sums are taken in prefill_avx512's
+ * order, so both give the same floats. */
+#define PF8_BLOCK 2
+
+/* pf_key_rows on 8 lanes, float32 products only. */
+VEC256 static inline void pf_key_rows8(const PrefillArgs *a, const void *pool, const int64_t *offsets, int64_t count,
+                                       float *buffer, const float **rows) {
+    const int64_t d_len = a->head_dim;
+    for (int64_t j = 0; j < count; j++) {
+        if (!a->bf16) {
+            rows[j] = (const float *)pool + offsets[j];
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)pool + offsets[j];
+        for (int64_t c = 0; c < d_len; c += 8) _mm256_storeu_ps(buffer + j * d_len + c, load_bf16_8(src + c));
+        rows[j] = buffer + j * d_len;
+    }
+    for (int64_t j = count; j < ((count + 3) & ~(int64_t)3); j++) rows[j] = pf_zeros;
+}
+
+/* S^T's rows j .. j+3 (keys), lanes of the NB vectors from vector g0 (query rows). */
+VEC256 static inline __attribute__((always_inline)) void pf8_scores(const float *qt, const float *const *k_rows,
+                                                                     int64_t count, int64_t d_len, int64_t rp,
+                                                                     int g0, const int NB, float *st) {
+    for (int64_t j = 0; j < count; j += 4) {
+        __m256 acc[4][PF8_BLOCK];
+        for (int jj = 0; jj < 4; jj++)
+            for (int g = 0; g < NB; g++) acc[jj][g] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < d_len; p++) {
+            __m256 qv[PF8_BLOCK];
+            for (int g = 0; g < NB; g++) qv[g] = _mm256_load_ps(qt + p * rp + 8 * (g0 + g));
+            for (int jj = 0; jj < 4; jj++) {
+                const __m256 kv = _mm256_broadcast_ss(k_rows[j + jj] + p);
+                for (int g = 0; g < NB; g++) acc[jj][g] = _mm256_fmadd_ps(kv, qv[g], acc[jj][g]);
+            }
+        }
+        for (int jj = 0; jj < 4; jj++)
+            for (int g = 0; g < NB; g++) _mm256_store_ps(st + (j + jj) * rp + 8 * (g0 + g), acc[jj][g]);
+    }
+}
+
+/* O^T += V^T P^T for the NB vectors of rows from vector g0. */
+VEC256 static inline __attribute__((always_inline)) void pf8_values(const float *st, const float *const *v_rows,
+                                                                     int64_t count, int64_t d_len, int64_t rp,
+                                                                     int g0, const int NB, float *ot) {
+    for (int64_t d = 0; d < d_len; d += 4) {
+        __m256 acc[4][PF8_BLOCK];
+        for (int dd = 0; dd < 4; dd++)
+            for (int g = 0; g < NB; g++) acc[dd][g] = _mm256_load_ps(ot + (d + dd) * rp + 8 * (g0 + g));
+        for (int64_t j = 0; j < count; j++) {
+            __m256 pv[PF8_BLOCK];
+            for (int g = 0; g < NB; g++) pv[g] = _mm256_load_ps(st + j * rp + 8 * (g0 + g));
+            for (int dd = 0; dd < 4; dd++) {
+                const __m256 vv = _mm256_broadcast_ss(v_rows[j] + d + dd);
+                for (int g = 0; g < NB; g++) acc[dd][g] = _mm256_fmadd_ps(vv, pv[g], acc[dd][g]);
+            }
+        }
+        for (int dd = 0; dd < 4; dd++)
+            for (int g = 0; g < NB; g++) _mm256_store_ps(ot + (d + dd) * rp + 8 * (g0 + g), acc[dd][g]);
+    }
+}
+
+/* Rows of an 8 x 8 block become its columns. */
+VEC256 static inline void transpose8(__m256 *r) {
+    __m256 t[8], s[8];
+    for (int k = 0; k < 4; k++) {
+        t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; k++) {
+        s[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(s[k], s[k + 4], 0x20);
+        r[k + 4] = _mm256_permute2f128_ps(s[k], s[k + 4], 0x31);
+    }
+}
+
+VEC256 static inline __attribute__((always_inline)) void prefill_avx2_impl(const PrefillArgs *a, int64_t s, int64_t h,
+                                                                            int64_t tile, Scratch *sc, const int RG) {
+    const int64_t d_len = a->head_dim, group = a->heads / a->kv_heads, rp = 8 * RG;
+    const int64_t *seq = a->seqs + 4 * s;
+    const int64_t t0 = tile * a->tile_queries, nt = pf_min(seq[1] - t0, a->tile_queries), rows = nt * group;
+    const float *k_rows[PF_KEYS], *v_rows[PF_KEYS];
+    __m256i high[8], low[8]; /* per lane: the highest and lowest key position its row may attend */
+    __m256 max_v[8], sum_v[8];
+    __m256 invalid[PF_KEYS][8];
+
+    pf_pack_queries(a, s, h, t0, rows, rp, 0, sc);
+    for (int g = 0; g < RG; g++) {
+        int32_t hi_lane[8], lo_lane[8];
+        for (int l = 0; l < 8; l++) {
+            const int64_t r = 8 * g + l, position = seq[2] + t0 + r / group;
+            hi_lane[l] = r < rows ? (int32_t)position : -1;
+            lo_lane[l] = a->window > 0 ? (int32_t)(position - a->window + 1) : INT32_MIN;
+        }
+        high[g] = _mm256_loadu_si256((const __m256i *)hi_lane);
+        low[g] = _mm256_loadu_si256((const __m256i *)lo_lane);
+        max_v[g] = _mm256_set1_ps(-1e30f); /* finite: a row with nothing seen yet gets exp(-inf) = 0, not NaN */
+        sum_v[g] = _mm256_setzero_ps();
+    }
+    memset(sc->ot, 0, sizeof(float) * (size_t)(d_len * rp));
+    const __m256 scale = _mm256_set1_ps(a->scale), minus_inf = _mm256_set1_ps(-INFINITY);
+    int64_t lo, hi;
+    pf_key_range(a, s, seq[2] + t0, seq[2] + t0 + nt - 1, &lo, &hi);
+    for (int64_t k0 = lo; k0 <= hi; k0 += PF_KEYS) {
+        const int64_t count = pf_min(PF_KEYS, hi - k0 + 1);
+        int64_t offsets[PF_KEYS];
+        pf_offsets(a, s, h, k0, count, offsets);
+        pf_key_rows8(a, a->k, offsets, count, sc->kb, k_rows);
+        for (int g0 = 0; g0 < RG; g0 += PF8_BLOCK)
+            if (RG - g0 >= PF8_BLOCK)
+                pf8_scores(sc->qt, k_rows, count, d_len, rp, g0, PF8_BLOCK, sc->st);
+            else
+                pf8_scores(sc->qt, k_rows, count, d_len, rp, g0, 1, sc->st);
+        /* the online softmax as prefill_avx512's float32 path takes it, masks as vectors */
+        const int interior = k0 + count - 1 <= seq[2] + t0 &&
+                             (a->window == 0 || k0 >= seq[2] + t0 + nt - 1 - a->window + 1);
+        for (int g = 0; g < RG; g++) {
+            float *st = sc->st + 8 * g;
+            __m256 tile_max = max_v[g];
+            if (interior) {
+                for (int64_t j = 0; j < count; j++) tile_max = _mm256_max_ps(tile_max, _mm256_load_ps(st + j * rp));
+            } else {
+                for (int64_t j = 0; j < count; j++) {
+                    const __m256i position = _mm256_set1_epi32((int32_t)(k0 + j));
+                    invalid[j][g] = _mm256_castsi256_ps(
+                        _mm256_or_si256(_mm256_cmpgt_epi32(position, high[g]), _mm256_cmpgt_epi32(low[g], position)));
+                    const __m256 x = _mm256_blendv_ps(_mm256_load_ps(st + j * rp), minus_inf, invalid[j][g]);
+                    _mm256_store_ps(st + j * rp, x);
+                    tile_max = _mm256_max_ps(tile_max, x);
+                }
+            }
+            if (_mm256_movemask_ps(_mm256_cmp_ps(tile_max, max_v[g], _CMP_GT_OQ))) {
+                const __m256 alpha = exp8(_mm256_mul_ps(_mm256_sub_ps(max_v[g], tile_max), scale));
+                sum_v[g] = _mm256_mul_ps(sum_v[g], alpha);
+                for (int64_t d = 0; d < d_len; d++) {
+                    float *o = sc->ot + d * rp + 8 * g;
+                    _mm256_store_ps(o, _mm256_mul_ps(_mm256_load_ps(o), alpha));
+                }
+                max_v[g] = tile_max;
+            }
+            const __m256 shift = _mm256_mul_ps(max_v[g], scale);
+            for (int64_t j = 0; j < count; j++) {
+                const __m256 e = exp8(_mm256_fmsub_ps(_mm256_load_ps(st + j * rp), scale, shift));
+                const __m256 p = interior ? e : _mm256_andnot_ps(invalid[j][g], e);
+                sum_v[g] = _mm256_add_ps(sum_v[g], p);
+                _mm256_store_ps(st + j * rp, p);
+            }
+        }
+        pf_key_rows8(a, a->v, offsets, count, sc->vb, v_rows);
+        for (int g0 = 0; g0 < RG; g0 += PF8_BLOCK)
+            if (RG - g0 >= PF8_BLOCK)
+                pf8_values(sc->st, v_rows, count, d_len, rp, g0, PF8_BLOCK, sc->ot);
+            else
+                pf8_values(sc->st, v_rows, count, d_len, rp, g0, 1, sc->ot);
+    }
+    /* O^T back to rows, 8 x 8 blocks at a time */
+    for (int g = 0; g < RG; g++) {
+        float sums[8];
+        _mm256_storeu_ps(sums, sum_v[g]);
+        for (int64_t d = 0; d < d_len; d += 8) {
+            __m256 block[8];
+            for (int i = 0; i < 8; i++) block[i] = _mm256_load_ps(sc->ot + (d + i) * rp + 8 * g);
+            transpose8(block);
+            for (int l = 0; l < 8 && 8 * g + l < rows; l++) {
+                const int64_t r = 8 * g + l;
+                const int64_t off = (seq[0] + t0 + r / group) * a->out_stride + (h * group + r % group) * d_len + d;
+                const __m256 x = _mm256_mul_ps(block[l], _mm256_set1_ps(sums[l] > 0.f ? 1.f / sums[l] : 0.f));
+                if (a->bf16)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)a->out + off), f32_to_bf16_8(x));
+                else
+                    _mm256_storeu_ps((float *)a->out + off, x);
+            }
+        }
+    }
+}
+
+VEC256 static void prefill_avx2(const PrefillArgs *a, int64_t s, int64_t h, int64_t tile, Scratch *sc) {
+    const int64_t queries = pf_min(a->seqs[4 * s + 1] - tile * a->tile_queries, a->tile_queries);
+    switch ((queries * (a->heads / a->kv_heads) + 7) / 8) { /* a short chunk's tile uses fewer vectors */
+    case 1: prefill_avx2_impl(a, s, h, tile, sc, 1); break;
+    case 2: prefill_avx2_impl(a, s, h, tile, sc, 2); break;
+    case 3: prefill_avx2_impl(a, s, h, tile, sc, 3); break;
+    case 4: prefill_avx2_impl(a, s, h, tile, sc, 4); break;
+    case 5: prefill_avx2_impl(a, s, h, tile, sc, 5); break;
+    case 6: prefill_avx2_impl(a, s, h, tile, sc, 6); break;
+    case 7: prefill_avx2_impl(a, s, h, tile, sc, 7); break;
+    default: prefill_avx2_impl(a, s, h, tile, sc, 8); break;
+    }
+}
+
+#endif /* WARMSTART_X86 */
+
+enum { PREFILL_PORTABLE, PREFILL_AVX2, PREFILL_AVX512 }; /* the paths */
 
 static void free_scratch(Scratch *sc) {
     free(sc->qt);
@@ -514,8 +706,15 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
         items += a.kv_heads * ((seq[1] + a.tile_queries - 1) / a.tile_queries);
         if (last - seq[3] + 1 > longest) longest = last - seq[3] + 1;
     }
-    const int level = a.head_dim % 16 ? PREFILL_PORTABLE : prefill_level;
-    const int dots = level == PREFILL_AVX512_BF16 && a.bf16;
+    /* the best path isa_level (isa.h) allows for this head_dim; AVX512-BF16's products only for a bf16 pool */
+    int path = PREFILL_PORTABLE;
+#if WARMSTART_X86
+    if (isa_level >= ISA_AVX512 && a.head_dim % 16 == 0)
+        path = PREFILL_AVX512;
+    else if (isa_level >= ISA_AVX2 && a.head_dim % 8 == 0)
+        path = PREFILL_AVX2;
+    const int dots = path == PREFILL_AVX512 && isa_level >= ISA_AVX512_BF16 && a.bf16;
+#endif
     int64_t *work = malloc(sizeof(int64_t) * 3 * (size_t)(items ? items : 1));
     if (work == NULL) return PyErr_NoMemory();
     /* (sequence, head, tile), the costly last tiles of each sequence first so that the threads end together */
@@ -534,17 +733,24 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
 #pragma omp parallel num_threads(items < num_threads ? (int)(items ? items : 1) : num_threads) reduction(| : failed)
     {
         Scratch sc;
-        float *scores = level == PREFILL_PORTABLE ? malloc(sizeof(float) * (size_t)longest) : NULL;
-        const int ok = alloc_scratch(&sc, a.head_dim) && (level != PREFILL_PORTABLE || scores != NULL);
+        float *scores = path == PREFILL_PORTABLE ? malloc(sizeof(float) * (size_t)longest) : NULL;
+        const int ok = alloc_scratch(&sc, a.head_dim) && (path != PREFILL_PORTABLE || scores != NULL);
         if (!ok) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < items; i++)
-            if (!ok)
-                continue;
-            else if (level == PREFILL_PORTABLE)
-                prefill_portable(&a, work[3 * i], work[3 * i + 1], work[3 * i + 2], &sc, scores);
-            else
+        for (int64_t i = 0; i < items; i++) {
+            if (!ok) continue;
+#if WARMSTART_X86
+            if (path == PREFILL_AVX512) {
                 prefill_avx512(&a, work[3 * i], work[3 * i + 1], work[3 * i + 2], &sc, dots);
+                continue;
+            }
+            if (path == PREFILL_AVX2) {
+                prefill_avx2(&a, work[3 * i], work[3 * i + 1], work[3 * i + 2], &sc);
+                continue;
+            }
+#endif
+            prefill_portable(&a, work[3 * i], work[3 * i + 1], work[3 * i + 2], &sc, scores);
+        }
         free_scratch(&sc);
         free(scores);
     }
@@ -552,23 +758,6 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     free(work);
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
-}
-
-static PyObject *prefill_isa(PyObject *self, PyObject *args) {
-    const char *name = NULL;
-    if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
-    if (name != NULL) {
-        int found = -1;
-        for (int i = 0; i <= prefill_best; i++)
-            if (strcmp(name, prefill_levels[i]) == 0) found = i;
-        if (found < 0) {
-            PyErr_Format(PyExc_ValueError, "prefill_isa: %s is not one this CPU has (best: %s)", name,
-                         prefill_levels[prefill_best]);
-            return NULL;
-        }
-        prefill_level = found;
-    }
-    return PyUnicode_FromString(prefill_levels[prefill_level]);
 }
 
 /* ---- The KV write: each new token's key and value rows copied to their pool slots ----
@@ -614,26 +803,18 @@ static PyMethodDef methods[] = {
     {"write_kv", write_kv, METH_VARARGS,
      "write_kv(k_pool, v_pool, k, v, slots, n, kv_heads, head_dim, pool_slots, k_stride, v_stride, elem_size): "
      "pointers as ints; see the comment above write_kv."},
-    {"prefill_isa", prefill_isa, METH_VARARGS,
-     "prefill_isa([name]): the instruction set prefill uses (portable, avx512, avx512_bf16); a name lowers it "
-     "(for tests)."},
+    ISA_METHODS,
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "runtime.kernels._cpu_attention", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu_attention(void) {
-    __builtin_cpu_init();
-    have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    prefill_best = !have_avx512 ? PREFILL_PORTABLE
-                   : __builtin_cpu_supports("avx512bf16") ? PREFILL_AVX512_BF16 : PREFILL_AVX512;
-    prefill_level = prefill_best;
+    isa_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "MAX_GROUP", MAX_GROUP) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_HEAD_DIM", MAX_HEAD_DIM) < 0 ||
-        PyModule_AddStringConstant(m, "PREFILL_BEST_ISA", prefill_levels[prefill_best]) < 0) {
+        PyModule_AddIntConstant(m, "MAX_HEAD_DIM", MAX_HEAD_DIM) < 0) {
         Py_DECREF(m);
         return NULL;
     }

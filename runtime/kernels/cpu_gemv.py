@@ -1,9 +1,11 @@
 """bfloat16 linear layers for few rows on the CPU (runtime/kernels/cpu_gemv.c): a decode step's matmuls at the speed
-of reading the weights once, from the plain row-major weight.
+of reading the weights once, from the plain row-major weight. The kernel runs AVX512-BF16's dot products where the
+kernels' instruction set (runtime/kernels/isa.py) has them, AVX2 with FMA otherwise: the same products, float32 sums.
 
 oneDNN's matmul (on the prepacked copy, runtime/quant/packed_linear.py) stays the path for more rows, for float32
-(whose arithmetic the transformers comparison pins down), for CPUs without AVX512-BF16, for installs built without
-a C compiler, and under ``WARMSTART_CPU_GEMV=torch``.
+(whose arithmetic the transformers comparison pins down), below AVX2 (``isa.chosen()`` portable: other
+architectures, or ``WARMSTART_CPU_ISA=portable``), for installs built without a C compiler, and under
+``WARMSTART_CPU_GEMV=torch``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from runtime.kernels import isa
 from runtime.kernels.switches import kernel_chosen
 
 _ext: ModuleType | None
@@ -30,8 +33,9 @@ MAX_ROWS = 6
 
 
 def cpu_supported() -> bool:
-    """Whether this install has the kernel and this CPU the instructions it needs."""
-    return _ext is not None and bool(_ext.has_avx512_bf16())
+    """Whether this install has the kernel and the kernels' instruction set (``isa.chosen()``) is one it runs on:
+    AVX2 or above."""
+    return _ext is not None and isa.at_least("avx2")
 
 
 def gemv_serves(device: torch.device, dtype: torch.dtype) -> bool:

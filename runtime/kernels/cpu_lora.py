@@ -1,10 +1,11 @@
 """Many LoRA adapters over one bf16 step on the CPU (runtime/kernels/cpu_lora.c): each fused linear's shrink and
 expand for every row of the flat batch in one call, added into the base output in place.
 
-The PyTorch path (runtime/layers/lora.add_lora: a gather, two to four batched matmuls, a cat and an index_add per
-linear) stays the reference and the path for float32 models (whose arithmetic the transformers + PEFT comparison
-pins down), other devices, CPUs without AVX512-BF16, installs built without a C compiler, and
-``WARMSTART_CPU_LORA=torch``.
+The kernel runs AVX512-BF16 dot products, or on CPUs without them AVX2 with FMA and F16C, as runtime/kernels/isa.py
+chose. The PyTorch path (runtime/layers/lora.add_lora: a gather, two to four batched matmuls, a cat and an index_add
+per linear) stays the reference and the path for float32 models (whose arithmetic the transformers + PEFT comparison
+pins down), other devices, CPUs without AVX2 (or kernels lowered to ``portable``), installs built without a C
+compiler, and ``WARMSTART_CPU_LORA=torch``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from runtime.kernels import isa
 from runtime.kernels.switches import kernel_chosen
 from runtime.layers.lora import LoraStep
 from runtime.layers.lora import add_lora as torch_add_lora
@@ -29,8 +31,9 @@ MAX_RANK = _ext.MAX_RANK if _ext is not None else 0  # the slots' rank (--max-lo
 
 
 def cpu_supported() -> bool:
-    """Whether this install has the kernel and this CPU the instructions it needs."""
-    return _ext is not None and bool(_ext.has_avx512_bf16())
+    """Whether this install has the kernel and the instruction set the kernels run at has what it needs (AVX2 with
+    FMA and F16C at least; isa.py, which a lowered level honours)."""
+    return _ext is not None and isa.at_least("avx2")
 
 
 def lora_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,11 +65,12 @@ def takes(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, module: str) -> torch.Tensor:
     """``y`` (the base linear's output for ``x``, [n, out]) plus each row's adapter's B @ A @ x, in place: as
-    runtime/layers/lora.add_lora, in one kernel call (float32 sums, one rounding of y + delta; see cpu_lora.c)."""
+    runtime/layers/lora.add_lora, in one kernel call (float32 sums, one rounding of y + delta; see cpu_lora.c); on
+    the PyTorch path where the kernel does not take the tensors or the instruction set in use lacks AVX2."""
     if module not in step.modules:
         return y
     a, b = step.slots.a[layer][module], step.slots.b[layer][module]
-    if _ext is None or not takes(y, x, a, b) or not step.module_ranks:
+    if _ext is None or not cpu_supported() or not takes(y, x, a, b) or not step.module_ranks:
         return torch_add_lora(y, x, step, layer, module)
     outs = step.slots.out_slices[module]
     y_stride, x_stride = max(y.stride(0), y.shape[1]), max(x.stride(0), x.shape[1])  # a single row's is any

@@ -1,7 +1,8 @@
 """The CPU path's fused small ops (runtime/kernels/cpu_small_ops.c): RMSNorm with the residual add, rotary in
 place, SiLU-and-mul. Each mirrors its PyTorch reference in runtime/layers/ (norm, rotary, activation), which stays
 the path for other devices and dtypes, for installs built without a C compiler, and under
-``WARMSTART_CPU_SMALL_OPS=torch``.
+``WARMSTART_CPU_SMALL_OPS=torch``. The kernels run the copy compiled for the instruction set runtime/kernels/isa.py
+chose (AVX-512, AVX2, or portable C on other CPUs), with the same results but where bf16 SiLU's exp is vectorised.
 """
 
 from __future__ import annotations

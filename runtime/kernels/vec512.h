@@ -4,6 +4,10 @@
 #ifndef WARMSTART_VEC512_H
 #define WARMSTART_VEC512_H
 
+#include "isa.h"
+
+#if WARMSTART_X86
+
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -68,5 +72,7 @@ VEC512 static inline void silu_and_mul_span(uint16_t *out, const uint16_t *gate,
         _mm256_mask_storeu_epi16(out + i, mask, silu_and_mul16(g, u));
     }
 }
+
+#endif /* WARMSTART_X86 */
 
 #endif

@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import isa
 from runtime.kernels.switches import kernel_chosen
 
 _cpu_attention: ModuleType | None
@@ -30,8 +31,6 @@ except ImportError:  # pragma: no cover - depends on the install
 
 CPU_ATTENTION_ENV = "WARMSTART_CPU_ATTENTION"
 CPU_PREFILL_ATTENTION_ENV = "WARMSTART_CPU_PREFILL_ATTENTION"
-# the CPU has the prefill kernel's AVX-512 code (its best instruction set, not the one a test lowered it to)
-_prefill_vectorized = _cpu_attention is not None and _cpu_attention.PREFILL_BEST_ISA != "portable"
 
 
 def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_head: int, head_dim: int) -> bool:
@@ -46,10 +45,16 @@ def decode_kernel_serves(device: torch.device, dtype: torch.dtype, heads_per_kv_
     )
 
 
+def prefill_kernel_vectorized(head_dim: int) -> bool:
+    """Whether the prefill kernel runs vector code for this head_dim at the instruction set the kernels use
+    (runtime/kernels/isa.py): AVX2 or better for a multiple of 8 (AVX-512's code takes the multiples of 16)."""
+    return _cpu_attention is not None and isa.at_least("avx2") and head_dim % 8 == 0
+
+
 def prefill_kernel_chosen(head_dim: int) -> bool:
-    """Whether prefill chunks go to the C kernel where the decode kernel serves the pool: where it has its
-    AVX-512 code (the portable loop measured 9x slower than SDPA), unless ``WARMSTART_CPU_PREFILL_ATTENTION=torch``."""
-    return kernel_chosen(CPU_PREFILL_ATTENTION_ENV) and _prefill_vectorized and head_dim % 16 == 0
+    """Whether prefill chunks go to the C kernel where the decode kernel serves the pool: where it runs vector code
+    (its portable loop measured 9x slower than SDPA), unless ``WARMSTART_CPU_PREFILL_ATTENTION=torch``."""
+    return kernel_chosen(CPU_PREFILL_ATTENTION_ENV) and prefill_kernel_vectorized(head_dim)
 
 
 @dataclass

@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from runtime.quant.formats import QuantizedWeight
-from runtime.quant.packed_linear import PackedWeight
+from runtime.quant.packed_linear import PackedWeight, widened_linear, widens
 
 LinearWeight: TypeAlias = torch.Tensor | QuantizedWeight | PackedWeight
 
 
 def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a float weight (bit for bit), the weight's own kernel for a quantized or packed one."""
+    """F.linear for a float weight (bit for bit), the weight's own kernel for a quantized or packed one. A plain bf16
+    weight that packing will widen to float32 computes as its packed copy will (runtime/quant/packed_linear.py)."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        return widened_linear(x, w, bias) if widens(w) else F.linear(x, w, bias)
     if isinstance(w, PackedWeight):
         return w.linear(x, bias)
     lead = x.shape[:-1]

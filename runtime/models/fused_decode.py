@@ -6,9 +6,9 @@ For one sequence on SmolLM2-135M about a third of a step was Python dispatch and
 three C calls per layer still left about 4 ms of it (docs/BENCHMARKS.md, issue 15). This path takes bf16 decode rows
 (at most MAX_ROWS) of plain or prepacked weights. It steps aside, for the model's ordinary ops (the reference the
 tests compare with), for prefill rows, for a batch carrying LoRA adapters, for quantized weights, for tensor-parallel
-shards, for q/k norms (Qwen3), for float32 (whose arithmetic the transformers comparison pins down), where the C
-decode attention does not serve the pool (``WARMSTART_CPU_ATTENTION=torch``) and under
-``WARMSTART_CPU_FUSED_DECODE=torch``.
+shards, for q/k norms (Qwen3), for float32 (whose arithmetic the transformers comparison pins down), below AVX2 (the
+gemv kernel's least: runtime/kernels/cpu_gemv.py), where the C decode attention does not serve the pool
+(``WARMSTART_CPU_ATTENTION=torch``) and under ``WARMSTART_CPU_FUSED_DECODE=torch``.
 """
 
 from __future__ import annotations

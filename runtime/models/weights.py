@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,9 @@ from runtime.layers.linear import LinearWeight
 from runtime.models.config import ModelConfig, ModelConfigError
 from runtime.models.huge_pages import HugePageArena
 from runtime.quant.formats import from_tensors
-from runtime.quant.packed_linear import PackedWeight
+from runtime.quant.packed_linear import PackedWeight, packing_dtype
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LINEAR_FIELDS = ("qkv", "o_proj", "gate_up", "down")  # a layer's matrices, which quantize and prepack
@@ -206,8 +209,11 @@ def prepack_in_background(*models: ModelWeights) -> threading.Thread:
     """
 
     def pack_all() -> None:
-        for weights in models:  # the model, then a speculative draft model if there is one
-            _pack(weights)
+        try:
+            for weights in models:  # the model, then a speculative draft model if there is one
+                _pack(weights)
+        except (RuntimeError, MemoryError) as e:  # the plain weights keep serving: slower, never wrong
+            log.warning("prepacking the weights failed, serving from the plain ones: %s", str(e).splitlines()[0])
 
     # Not a daemon: a process that exits while a reorder is running inside oneDNN aborts (SIGABRT); at exit
     # the interpreter waits for the thread instead (a fraction of a second at most).
@@ -223,9 +229,10 @@ def _pack(weights: ModelWeights) -> None:
         return
     # The few-row kernel reads the plain weights once per decode step: in huge pages (huge_pages.py) where it serves.
     arena = HugePageArena(HugePageArena.room_for(plain)) if gemv_serves(plain[0].device, plain[0].dtype) else None
+    compute = packing_dtype(plain[0].dtype)
 
     def pack(w: torch.Tensor) -> PackedWeight:
-        return PackedWeight(arena.copy(w) if arena is not None else w)
+        return PackedWeight(arena.copy(w) if arena is not None else w, compute)
 
     for layer in weights.layers:
         for name in LINEAR_FIELDS:

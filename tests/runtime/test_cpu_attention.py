@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from runtime.kernels import isa as kernel_isa
 from runtime.layers import attention
 from runtime.layers.attention import AttentionGroup, AttentionMetadata, decode_kernel_serves, paged_attention
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and attention._cpu_attention is None, reason="no C compiler here")
+LEVELS = kernel_isa.LEVELS
+
+
+@pytest.fixture(params=LEVELS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each instruction set the CPU has (runtime/kernels/isa.py), the kernels lowered to it for the test."""
+    if LEVELS.index(request.param) > LEVELS.index(kernel_isa.best()):
+        pytest.skip(f"this CPU has no {request.param}")
+    with kernel_isa.lowered(request.param):
+        yield request.param
 
 
 def test_the_kernel_was_built() -> None:
@@ -51,13 +63,15 @@ def both_paths(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, wind
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# head_dim a multiple of 16 takes the AVX-512 code where the CPU has it; 24 and 40 the portable code.
+# head_dim a multiple of 16 takes the AVX-512 code at that level, 24 and 40 the AVX2 code there, 36 the portable
+# code at every level.
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 80), (16, 2, 128), (6, 2, 40), (2, 1, 24)]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 4, 32), (9, 3, 64), (8, 1, 80), (16, 2, 128), (6, 2, 40), (2, 1, 24), (3, 1, 36)],
 )
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("block_size", [8, 12, 16])  # 12: tiles of keys cut short by each block's end
 def test_kernel_matches_gather_path(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+    isa: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     lengths = [1, 2, block_size, block_size + 1, 37, 200, 5, 64]
     q, cache, group = make_case(0, heads, kv_heads, head_dim, block_size, lengths, dtype)
@@ -72,7 +86,7 @@ def test_kernel_matches_gather_path(
 
 @pytest.mark.parametrize("window", [1, 5, 16, 33])
 @pytest.mark.parametrize("first_block", [0, 2])
-def test_kernel_sliding_window_matches(window: int, first_block: int) -> None:
+def test_kernel_sliding_window_matches(isa: str, window: int, first_block: int) -> None:
     lengths = [70, 90, 41, 100]  # all past the group's first block
     q, cache, group = make_case(1, 8, 2, 64, 8, lengths, torch.float32, first_block=first_block)
     if first_block:  # a window that reaches before the tables' first key is not what the runner builds
@@ -81,7 +95,7 @@ def test_kernel_sliding_window_matches(window: int, first_block: int) -> None:
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-def test_kernel_attends_only_its_keys() -> None:
+def test_kernel_attends_only_its_keys(isa: str) -> None:
     """Keys past a sequence's end (garbage, even NaN) and padding in the tables never reach the output."""
     q, cache, group = make_case(2, 4, 2, 32, 8, [3, 20], torch.float32)
     clean, _ = both_paths(q, cache.clone(), group, None)
@@ -92,7 +106,7 @@ def test_kernel_attends_only_its_keys() -> None:
     assert torch.equal(got, clean)
 
 
-def test_kernel_threads_do_not_change_results() -> None:
+def test_kernel_threads_do_not_change_results(isa: str) -> None:
     q, cache, group = make_case(3, 9, 3, 64, 16, [500, 3, 77, 1000, 16, 17], torch.bfloat16)
     before = torch.get_num_threads()
     try:

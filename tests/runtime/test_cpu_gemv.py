@@ -1,9 +1,12 @@
 """The few-row bf16 linear kernel (runtime/kernels/cpu_gemv.c) against F.linear in float32 arithmetic on the same
-bf16 inputs, its dispatch in the CPU ops (runtime/layers/ops.py) and the fallback where it does not serve."""
+bf16 inputs, on each of its paths up to the instruction set in use (AVX2 with FMA, AVX512-BF16; isa.lowered runs the
+AVX2 one on an AVX512-BF16 machine), its dispatch in the CPU ops (runtime/layers/ops.py) and the fallback where it
+does not serve (below AVX2, or switched off)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,18 +14,27 @@ import torch
 import torch.nn.functional as F
 
 from runtime import LLM, SamplingParams
-from runtime.kernels import cpu_gemv
+from runtime.kernels import cpu_gemv, isa
 from runtime.layers.ops import TorchOps, select_ops
 from runtime.quant.formats import Int8Weight
-from runtime.quant.packed_linear import PackedWeight
+from runtime.quant.packed_linear import PackedWeight, packing_dtype
 from tests.support.reference import assert_close_in_bf16
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and cpu_gemv._ext is None, reason="no C compiler here")
-needs_bf16_cpu = pytest.mark.skipif(
-    cpu_gemv._ext is not None and not cpu_gemv.cpu_supported(), reason="this CPU has no AVX512-BF16"
-)
+# the levels up to the one in use (WARMSTART_CPU_ISA=avx2 stops at avx2, as an AVX2 machine would) at which the
+# kernel runs: avx2 and above
+KERNEL_LEVELS = [level for level in isa.LEVELS[: isa.LEVELS.index(isa.chosen()) + 1]
+                 if isa.LEVELS.index(level) >= isa.LEVELS.index("avx2")]  # fmt: skip
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=KERNEL_LEVELS)
+def level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernel runs at each of its levels for the test."""
+    with isa.lowered(request.param):
+        assert cpu_gemv.cpu_supported()
+        yield request.param
 
 
 def bf16(*shape: int, seed: int) -> torch.Tensor:
@@ -44,20 +56,18 @@ def test_the_kernel_was_built() -> None:
     assert cpu_gemv._ext is not None, "the gemv kernel is missing: reinstall (pip install -e .)"
 
 
-@needs_bf16_cpu
-@pytest.mark.parametrize("k", [1, 2, 31, 32, 33, 64, 95, 576, 1000])
+@pytest.mark.parametrize("k", [1, 2, 15, 16, 17, 31, 32, 33, 64, 95, 576, 1000])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 9, 13, 832])
-def test_every_shape_matches_float32_linear(n: int, k: int) -> None:
+def test_every_shape_matches_float32_linear(n: int, k: int, level: str) -> None:
     w = bf16(n, k, seed=n * 1000 + k)
     for rows in range(1, cpu_gemv.KERNEL_MAX_ROWS + 1):
         x = bf16(rows, k, seed=rows)
         assert_one_rounding(cpu_gemv.gemv(x, w), x, w, None)
 
 
-@needs_bf16_cpu
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", range(1, 9))
-def test_bias_and_threads(rows: int, threads: int) -> None:
+def test_bias_and_threads(rows: int, threads: int, level: str) -> None:
     """Big enough (3072 x 576) that the rows are split over the threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -68,8 +78,7 @@ def test_bias_and_threads(rows: int, threads: int) -> None:
         torch.set_num_threads(before)
 
 
-@needs_bf16_cpu
-def test_strided_and_batched_inputs() -> None:
+def test_strided_and_batched_inputs(level: str) -> None:
     w = bf16(40, 70, seed=4)
     wide = bf16(3, 100, seed=5)
     rows_of_a_wider_tensor = wide[:, 10:80]  # row stride 100, not 70: read in place
@@ -80,6 +89,20 @@ def test_strided_and_batched_inputs() -> None:
     out = cpu_gemv.gemv(batched, w)
     assert out.shape == (2, 1, 40)
     assert_one_rounding(out.view(2, 40), batched.view(2, 70), w, None)
+
+
+@pytest.mark.parametrize("lower", KERNEL_LEVELS[:-1])
+def test_every_path_gives_the_same_products_and_roundings(lower: str) -> None:
+    """The paths differ only in the order of their float32 sums (the products of bf16 values are exact): against the
+    path of the level in use, at most one bf16 unit apart, and on few outputs. SmolLM2-135M's qkv shape, with bias."""
+    w, b = bf16(960, 576, seed=17), bf16(960, seed=18)
+    x = bf16(cpu_gemv.KERNEL_MAX_ROWS, 576, seed=19)
+    top = cpu_gemv.gemv(x, w, b).float()
+    with isa.lowered(lower):
+        ours = cpu_gemv.gemv(x, w, b).float()
+    unit = top.abs().clamp(min=2.0**-20) * 2.0**-7
+    assert bool(((ours - top).abs() <= unit).all())
+    assert (ours != top).float().mean() < 0.005  # measured: 1 output in 7,680
 
 
 def test_what_the_kernel_refuses() -> None:
@@ -95,19 +118,22 @@ def test_what_the_kernel_refuses() -> None:
     assert not cpu_gemv.fits(bf16(cpu_gemv.MAX_ROWS + 1, 16, seed=9), w, None)
 
 
-@needs_bf16_cpu
-def test_ops_use_the_kernel_for_few_rows_of_a_plain_or_prepacked_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ops_use_the_kernel_for_few_rows_of_a_plain_or_prepacked_weight(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[int] = []
     kernel = cpu_gemv.gemv
     monkeypatch.setattr(cpu_gemv, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b))
     ops = select_ops(CPU, torch.bfloat16)
     assert isinstance(ops, TorchOps) and ops.gemv_kernel
     w, b = bf16(64, 96, seed=10), bf16(64, seed=11)
-    for weight in (w, PackedWeight(w)):
+    packed = PackedWeight(w, packing_dtype(torch.bfloat16))
+    for weight in (w, packed):
         x = bf16(2, 96, seed=12)
         assert_one_rounding(ops.linear(x, weight, b), x, w, b)
         many = bf16(cpu_gemv.MAX_ROWS + 1, 96, seed=13)  # more rows: oneDNN / F.linear, bit for bit
-        assert torch.equal(ops.linear(many, weight, b), F.linear(many, w, b))
+        reference = packed.linear(many, b) if weight is packed else F.linear(many, w, b)
+        assert torch.equal(ops.linear(many, weight, b), reference)
     assert calls == [2, 2]
     int8 = Int8Weight.quantize(w)  # quantized weights keep their own kernels
     x = bf16(1, 96, seed=14)
@@ -116,13 +142,21 @@ def test_ops_use_the_kernel_for_few_rows_of_a_plain_or_prepacked_weight(monkeypa
 
 
 def test_fallback_where_the_kernel_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below AVX2 (an ARM machine, or WARMSTART_CPU_ISA=portable) the ops take the PyTorch path, and the kernel
+    itself refuses clearly; float32, and WARMSTART_CPU_GEMV=torch, keep it too."""
     assert not select_ops(CPU, torch.float32).gemv_kernel  # type: ignore[attr-defined]
-    monkeypatch.setattr(cpu_gemv, "cpu_supported", lambda: False)  # a CPU without AVX512-BF16
-    ops = select_ops(CPU, torch.bfloat16)
-    assert not ops.gemv_kernel  # type: ignore[attr-defined]
     w, x = bf16(64, 96, seed=15), bf16(1, 96, seed=16)
-    assert torch.equal(ops.linear(x, PackedWeight(w)), PackedWeight(w).linear(x))
-    monkeypatch.undo()
+    packed = PackedWeight(w, packing_dtype(torch.bfloat16))
+    with isa.lowered("portable"):
+        assert not cpu_gemv.cpu_supported()
+        ops = select_ops(CPU, torch.bfloat16)
+        assert not ops.gemv_kernel  # type: ignore[attr-defined]
+        assert torch.equal(ops.linear(x, packed), packed.linear(x))
+        assert torch.equal(ops.linear(x, w), F.linear(x, w))
+        if cpu_gemv._ext is not None:
+            with pytest.raises(RuntimeError, match="gemv: the kernel needs AVX2 .* run at 'portable'"):
+                cpu_gemv.gemv(x, w)
+    assert cpu_gemv.cpu_supported() == (cpu_gemv._ext is not None and isa.at_least("avx2"))
     monkeypatch.setenv(cpu_gemv.GEMV_ENV, "torch")
     assert not select_ops(CPU, torch.bfloat16).gemv_kernel  # type: ignore[attr-defined]
     monkeypatch.setenv(cpu_gemv.GEMV_ENV, "fast")
@@ -130,8 +164,7 @@ def test_fallback_where_the_kernel_does_not_serve(monkeypatch: pytest.MonkeyPatc
         select_ops(CPU, torch.bfloat16)
 
 
-@needs_bf16_cpu
-def test_engine_decodes_on_the_kernel_close_to_the_reference(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_engine_decodes_on_the_kernel_close_to_the_reference(level: str, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """bf16 sums in another order than oneDNN's can part two greedy runs late; the first tokens agree and the
     chosen tokens' logprobs stay within 0.05 of the reference's while the runs agree."""
     model_dir: Path = tiny_model_dir("llama")

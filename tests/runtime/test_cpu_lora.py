@@ -1,6 +1,7 @@
 """The bf16 CPU LoRA kernel (runtime/kernels/cpu_lora.c) against the PyTorch path (runtime/layers/lora.add_lora) on
-the same bf16 inputs, and against the exact sum; its choice by the model and the fallback where it does not serve;
-an engine's mixed batch on both paths.
+the same bf16 inputs, and against the exact sum, on each of its paths up to the instruction set in use (AVX2,
+AVX512-BF16; isa.lowered runs the AVX2 one on an AVX512-BF16 machine); its choice by the model and the fallback
+where it does not serve (portable); an engine's mixed batch on both paths.
 
 Tolerance: both paths round the shrunk product x @ Aᵀ to bf16 (from float32 sums in different orders, so a value
 may round to a neighbour); the kernel then sums the delta in float32 and rounds y + delta once, the PyTorch path
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from safetensors.torch import load_file
 from runtime import LLM, SamplingParams
 from runtime.engine.engine import EngineOptions, LLMEngine
 from runtime.engine.lora import lora_from_peft
-from runtime.kernels import cpu_lora
+from runtime.kernels import cpu_lora, isa
 from runtime.layers import lora as torch_lora
 from runtime.layers.lora import LoraSlots, LoraStep, lora_step
 from tests.support.peft_reference import make_adapter
@@ -31,10 +33,19 @@ from tests.support.reference import assert_close_in_bf16
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and cpu_lora._ext is None, reason="no C compiler here")
-needs_bf16_cpu = pytest.mark.skipif(
-    cpu_lora._ext is not None and not cpu_lora.cpu_supported(), reason="this CPU has no AVX512-BF16"
-)
+# the levels up to the one in use (WARMSTART_CPU_ISA=avx2 stops at avx2, as an AVX2 machine would) at which the
+# kernel runs: avx2 and above
+KERNEL_LEVELS = [level for level in isa.LEVELS[: isa.LEVELS.index(isa.chosen()) + 1]
+                 if isa.LEVELS.index(level) >= isa.LEVELS.index("avx2")]  # fmt: skip
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(params=KERNEL_LEVELS)
+def level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernel runs at each of its levels for the test."""
+    with isa.lowered(request.param):
+        assert cpu_lora.cpu_supported()
+        yield request.param
 # module -> (in_features, out_features of each slice): odd sizes, one wider than a 64-column block and a 16-column
 # vector's multiples
 SHAPES = {"qkv": (41, [48, 24, 24]), "o_proj": (48, [37]), "gate_up": (33, [72, 72]), "down": (72, [130])}
@@ -115,26 +126,23 @@ def test_the_kernel_was_built() -> None:
     assert cpu_lora._ext is not None, "the LoRA kernel is missing: reinstall (pip install -e .)"
 
 
-@needs_bf16_cpu
 @pytest.mark.parametrize("module", list(SHAPES))
 @pytest.mark.parametrize("num_rows", [1, 2, 5, 9, 33, 130])
-def test_kernel_matches_the_pytorch_path(num_rows: int, module: str) -> None:
+def test_kernel_matches_the_pytorch_path(num_rows: int, module: str, level: str) -> None:
     """Decode-sized and prefill-sized steps (one tile per slot, or several tiles of one slot), rows not sorted."""
     slots = filled_slots()
     row_slots = mixed_rows(num_rows, seed=num_rows)
     assert_kernel_matches(row_slots, slots, module, seed=num_rows)
 
 
-@needs_bf16_cpu
-def test_one_row_a_slot_with_fewer_rows_and_rows_of_none() -> None:
+def test_one_row_a_slot_with_fewer_rows_and_rows_of_none(level: str) -> None:
     slots = filled_slots()
     for row_slots in ([3], [-1, 0], [3, 3, 3, 3, 3, 0, -1, 3, 3], [-1, -1, -1, 1, -1]):
         for module in SHAPES:
             assert_kernel_matches(row_slots, slots, module, seed=len(row_slots))
 
 
-@needs_bf16_cpu
-def test_threads_split_the_work_not_the_sums() -> None:
+def test_threads_split_the_work_not_the_sums(level: str) -> None:
     """Each output is summed by one thread in a fixed order: 1 and 2 threads give the same bits."""
     slots = filled_slots()
     step = lora_step(mixed_rows(40, seed=3), slots, CPU)
@@ -151,8 +159,7 @@ def test_threads_split_the_work_not_the_sums() -> None:
     assert torch.equal(one, two) and not torch.equal(one, y)
 
 
-@needs_bf16_cpu
-def test_strided_rows_of_x_and_a_module_no_adapter_adapts() -> None:
+def test_strided_rows_of_x_and_a_module_no_adapter_adapts(level: str) -> None:
     slots = filled_slots()
     step = lora_step([0, 3, -1, 0], slots, CPU)
     assert step is not None
@@ -172,8 +179,7 @@ def test_strided_rows_of_x_and_a_module_no_adapter_adapts() -> None:
     assert torch.equal(cpu_lora.add_lora(y2.clone(), bf16(2, 41, seed=9), only_qkv_free, 0, "qkv"), y2)
 
 
-@needs_bf16_cpu
-def test_tensors_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
+def test_tensors_the_kernel_does_not_take_go_to_the_pytorch_path(level: str) -> None:
     slots = filled_slots()
     step = lora_step([0, 3], slots, CPU)
     assert step is not None
@@ -184,8 +190,7 @@ def test_tensors_the_kernel_does_not_take_go_to_the_pytorch_path() -> None:
                        torch_lora.add_lora(y.clone(), x, step, 0, "o_proj"))
 
 
-@needs_bf16_cpu
-def test_slots_of_a_rank_beyond_the_kernels_go_to_the_pytorch_path() -> None:
+def test_slots_of_a_rank_beyond_the_kernels_go_to_the_pytorch_path(level: str) -> None:
     rank = cpu_lora.MAX_RANK + 8
     slots = LoraSlots.empty(2, rank, SHAPES, 1, torch.bfloat16, CPU)
     fan_in, outs = SHAPES["o_proj"]
@@ -198,8 +203,7 @@ def test_slots_of_a_rank_beyond_the_kernels_go_to_the_pytorch_path() -> None:
                        torch_lora.add_lora(y.clone(), x, step, 0, "o_proj"))
 
 
-@needs_bf16_cpu
-def test_the_kernel_refuses_bad_segments_clearly() -> None:
+def test_the_kernel_refuses_bad_segments_clearly(level: str) -> None:
     slots = filled_slots()
     step = lora_step([0, 3], slots, CPU)
     assert step is not None
@@ -209,6 +213,46 @@ def test_the_kernel_refuses_bad_segments_clearly() -> None:
     too_far = LoraStep(**{**step.__dict__, "rows": step.rows + 2})
     with pytest.raises(ValueError, match="sgmv: row 2 is outside the batch of 2"):
         cpu_lora.add_lora(bf16(2, 37, seed=12), bf16(2, 48, seed=13), too_far, 0, "o_proj")
+
+
+def test_the_avx2_path_adds_the_avx512_bf16_paths_sums(level: str) -> None:
+    """AVX2 widens to float32 and adds the same exact products pair by pair in _mm512_dpbf16_ps's order (as Intel
+    describes it; measured so on AMD's Zen 4): the same bits as every other level, avx2 itself too."""
+    slots = filled_slots()
+    row_slots = mixed_rows(130, seed=11)
+    step = lora_step(row_slots, slots, CPU)
+    assert step is not None
+    for module, (fan_in, outs) in SHAPES.items():
+        x, y = bf16(len(row_slots), fan_in, seed=20), bf16(len(row_slots), sum(outs), seed=21)
+        ours = cpu_lora.add_lora(y.clone(), x, step, 0, module)
+        with isa.lowered("avx2"):
+            on_avx2 = cpu_lora.add_lora(y.clone(), x, step, 0, module)
+        assert torch.equal(ours, on_avx2) and not torch.equal(ours, y)
+
+
+def test_at_portable_the_pytorch_path_serves(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Below AVX2 (an ARM machine, or WARMSTART_CPU_ISA=portable) the kernel does not serve, a kernel call takes the
+    PyTorch path, and sgmv itself refuses clearly."""
+    slots = filled_slots()
+    step = lora_step([0, 3, -1, 3], slots, CPU)
+    assert step is not None
+    x, y = bf16(4, 48, seed=22), bf16(4, 37, seed=23)
+    with isa.lowered("portable"):
+        assert not cpu_lora.cpu_supported() and not cpu_lora.lora_kernel_serves(CPU, torch.bfloat16)
+        model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
+        assert model.add_lora is torch_lora.add_lora
+        assert torch.equal(cpu_lora.add_lora(y.clone(), x, step, 0, "o_proj"),
+                           torch_lora.add_lora(y.clone(), x, step, 0, "o_proj"))
+        assert cpu_lora._ext is not None
+        a, b = slots.a[0]["o_proj"], slots.b[0]["o_proj"]
+        with pytest.raises(RuntimeError, match="sgmv: the LoRA kernel needs AVX2 .* run at 'portable'"):
+            cpu_lora._ext.sgmv(
+                y.data_ptr(), 37, x.data_ptr(), 48, a.data_ptr(), b.data_ptr(), step.rows.data_ptr(),
+                step.tile_slots.data_ptr(), step.tile_starts.data_ptr(), step.tile_ends.data_ptr(),
+                step.module_ranks["o_proj"].data_ptr(), 4, step.rows.numel(), step.num_tiles, a.shape[0], 48,
+                a.shape[3], (37, 0, 0), 1,
+            )  # fmt: skip
+    assert cpu_lora.cpu_supported() == isa.at_least("avx2")
 
 
 def test_the_model_chooses_the_kernel_where_it_serves(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -224,7 +268,7 @@ def test_the_model_chooses_the_kernel_where_it_serves(tiny_model_dir, monkeypatc
     monkeypatch.delenv(cpu_lora.LORA_ENV)
     assert not cpu_lora.lora_kernel_serves(CPU, torch.float32)
     assert cpu_lora.lora_kernel_serves(CPU, torch.bfloat16) == cpu_lora.cpu_supported()
-    monkeypatch.setattr(cpu_lora, "cpu_supported", lambda: False)  # a CPU without AVX512-BF16
+    monkeypatch.setattr(cpu_lora, "cpu_supported", lambda: False)  # a CPU without AVX2
     assert not cpu_lora.lora_kernel_serves(CPU, torch.bfloat16)
     monkeypatch.undo()
     monkeypatch.setenv(cpu_lora.LORA_ENV, "torch")
@@ -253,8 +297,8 @@ def bf16_lora_engine(model_dir: Path, adapters: dict[str, Path]) -> LLM:
     return LLM(engine)
 
 
-@needs_bf16_cpu
-def test_engine_mixed_batch_on_the_kernel_close_to_the_pytorch_path(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_engine_mixed_batch_on_the_kernel_close_to_the_pytorch_path(tiny_model_dir, tmp_path: Path, level: str  # type: ignore[no-untyped-def]
+                                                                    ) -> None:  # fmt: skip
     """Greedy bf16 runs of adapters mixed with base rows: the first tokens agree and the chosen tokens' logprobs
     stay within 0.1 of the PyTorch path's while the runs agree (bf16 sums in another order may part them late; on
     this tiny model with large adapters both bf16 paths are up to 0.2, 0.04 on average, from float32's)."""

@@ -9,31 +9,23 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from runtime.kernels import isa as kernel_isa
 from runtime.layers import attention
 from runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, write_kv
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and attention._cpu_attention is None, reason="no C compiler here")
-LEVELS = ("portable", "avx512", "avx512_bf16")
-
-
-def levels_here() -> list[str]:
-    """The instruction sets this CPU lets the kernel use (the best is what it uses by default)."""
-    if attention._cpu_attention is None:
-        return []
-    return list(LEVELS[: LEVELS.index(attention._cpu_attention.prefill_isa()) + 1])
+LEVELS = kernel_isa.LEVELS
+HAS_AVX512 = LEVELS.index(kernel_isa.best()) >= LEVELS.index("avx512")
 
 
 @pytest.fixture(params=LEVELS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each instruction set the CPU has, the kernel lowered to it for the test."""
-    if request.param not in levels_here():
+    """Each instruction set the CPU has (runtime/kernels/isa.py), the kernels lowered to it for the test."""
+    if LEVELS.index(request.param) > LEVELS.index(kernel_isa.best()):
         pytest.skip(f"this CPU has no {request.param}")
-    assert attention._cpu_attention is not None
-    best = attention._cpu_attention.prefill_isa()
-    attention._cpu_attention.prefill_isa(request.param)
-    yield request.param
-    attention._cpu_attention.prefill_isa(best)
+    with kernel_isa.lowered(request.param):
+        yield request.param
 
 
 @dataclass
@@ -100,13 +92,13 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 80, 32), (8, 2, 128, 24), (7, 1, 64, 32), (6, 2, 40, 16)],
+    [(9, 3, 64, 16), (4, 4, 80, 32), (8, 2, 128, 24), (7, 1, 64, 32), (6, 2, 40, 16), (3, 1, 36, 16)],
 )
 def test_kernel_matches_sdpa(
     isa: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     """Fresh chunks and chunks behind cached prefixes ending mid-block, several sequences in one call; GQA groups
-    1, 3, 4 and 7; head_dim 40 takes the portable code on every CPU."""
+    1, 3, 4 and 7; head_dim 40 takes the AVX2 code at AVX-512 too, 36 the portable code at every level."""
     chunks = [(0, 70), (37, 50), (block_size, 3), (5, 1 + block_size), (0, 2)]
     got, want = both_paths(make_case(heads, kv_heads, head_dim, block_size, chunks, dtype), None)
     assert_matches(got, want)
@@ -141,6 +133,21 @@ def test_bf16_output_rounds_as_torch(isa: str) -> None:
     got, _ = both_paths(case, None)
     as_float, _ = both_paths(wide, None)
     assert torch.equal(got, as_float.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 here to compare the AVX2 code with")
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_computes_the_avx512_float32_floats(window: int | None, dtype: torch.dtype) -> None:
+    """The AVX2 code takes each row's sums in the AVX-512 float32 code's order, with an exp that agrees to the bit
+    (vec256.h's exp8): the same output, bit for bit, for every row count a work item can have (groups 1 and 3)."""
+    for heads, kv_heads in ((3, 3), (9, 3)):
+        case = make_case(heads, kv_heads, 64, 16, [(0, 130), (37, 50), (5, 1), (0, 9), (20, 64)], dtype, window, seed=8)
+        with kernel_isa.lowered("avx512"):
+            wide, _ = both_paths(case, window)
+        with kernel_isa.lowered("avx2"):
+            narrow, _ = both_paths(case, window)
+        assert torch.equal(narrow, wide)
 
 
 def test_kernel_leaves_decode_groups_to_the_decode_path() -> None:
@@ -206,17 +213,17 @@ def test_kernel_refuses_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="does not fit its block table of 2 columns of 16"):
         kernel.prefill(0, 0, 0, 0, tables.data_ptr(), seqs.data_ptr(), 1, 4, 2, 64, 16, 2, 1024, 256, 256, 0, 0.125,
                        0, 1)  # fmt: skip
-    with pytest.raises(ValueError, match="is not one this CPU has"):
-        kernel.prefill_isa("avx1024")
+    with pytest.raises(ValueError, match="is not an instruction set this CPU has"):
+        kernel.isa("avx1024")
 
 
-def test_when_the_prefill_kernel_serves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only where its AVX-512 code runs (head_dim a multiple of 16 on an AVX-512 CPU): the portable loop is
-    slower than SDPA."""
-    assert attention._cpu_attention is not None
-    vectorized = attention._cpu_attention.PREFILL_BEST_ISA != "portable"
+def test_when_the_prefill_kernel_serves(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wherever its vector code runs, AVX2 or better (head_dim a multiple of 8, of 16 for AVX-512's), at the level
+    the kernels use: never on the portable loop, which is slower than SDPA."""
+    vectorized = isa != "portable"
     assert attention.prefill_kernel_chosen(64) == vectorized
-    assert not attention.prefill_kernel_chosen(40)
+    assert attention.prefill_kernel_chosen(40) == vectorized
+    assert not attention.prefill_kernel_chosen(36)
     monkeypatch.setenv("WARMSTART_CPU_PREFILL_ATTENTION", "torch")
     assert not attention.prefill_kernel_chosen(64)
     monkeypatch.setenv("WARMSTART_CPU_PREFILL_ATTENTION", "fast")
@@ -224,9 +231,10 @@ def test_when_the_prefill_kernel_serves(monkeypatch: pytest.MonkeyPatch) -> None
         attention.prefill_kernel_chosen(64)
 
 
-def test_engine_prefills_on_the_kernel(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """The engine's CPU path prefills on the kernel, a step's chunks in one call, cached prefixes and chunked
-    prompts included; SDPA (``WARMSTART_CPU_PREFILL_ATTENTION=torch``) gives the same greedy tokens."""
+def test_engine_prefills_on_the_kernel(isa: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The engine's CPU path prefills on the kernel at AVX2 and above (head_dim 16), a step's chunks in one call,
+    cached prefixes and chunked prompts included, and on SDPA at the portable level; SDPA
+    (``WARMSTART_CPU_PREFILL_ATTENTION=torch``) gives the same greedy tokens."""
     from runtime import LLM, SamplingParams
 
     calls: list[int] = []
@@ -248,7 +256,10 @@ def test_engine_prefills_on_the_kernel(tiny_model_dir, monkeypatch: pytest.Monke
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     with_kernel = run()
-    assert calls and max(calls) > 1
+    if isa == "portable":
+        assert not calls
+    else:
+        assert calls and max(calls) > 1
     monkeypatch.setenv("WARMSTART_CPU_PREFILL_ATTENTION", "torch")
     calls.clear()
     with_sdpa = run()

@@ -1,5 +1,6 @@
 """The fused small ops' C kernels (runtime/kernels/cpu_small_ops.c) against their PyTorch references
-(runtime/layers/norm.py, rotary.py, activation.py), and the engine on either path."""
+(runtime/layers/norm.py, rotary.py, activation.py) at every instruction set up to the one in use (isa.lowered: on
+an AVX-512 machine the AVX2 and portable copies run too), and the engine on either path."""
 
 from __future__ import annotations
 
@@ -12,12 +13,23 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.kernels import cpu_small_ops as kernels
+from runtime.kernels import isa
 from runtime.layers import activation, norm, rotary
 from runtime.layers.ops import select_ops
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and kernels._ext is None, reason="no C compiler here")
 DTYPES = (torch.bfloat16, torch.float32)
+# the levels this machine runs (WARMSTART_CPU_ISA=avx2 stops at avx2, as an AVX2 machine would)
+LEVELS = isa.LEVELS[: isa.LEVELS.index(isa.chosen()) + 1]
+VECTOR_EXP = [level for level in LEVELS if level != "portable"]  # bf16 SiLU's exp8 / exp16 in place of expf
+
+
+@pytest.fixture(params=LEVELS)
+def level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernels run at each level for the test."""
+    with isa.lowered(request.param):
+        yield request.param
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -44,7 +56,7 @@ def test_the_kernels_were_built() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows cross the size where the kernels use every thread
-def test_norms_match_the_reference(dtype: torch.dtype, rows: int, threads: int) -> None:
+def test_norms_match_the_reference(dtype: torch.dtype, rows: int, threads: int, level: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     x, residual = (torch.randn(rows, 576, generator=gen).to(dtype) * 3 for _ in range(2))
     weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
@@ -56,7 +68,7 @@ def test_norms_match_the_reference(dtype: torch.dtype, rows: int, threads: int) 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_of_heads_in_a_strided_view(dtype: torch.dtype) -> None:
+def test_norm_of_heads_in_a_strided_view(dtype: torch.dtype, level: str) -> None:
     """q_norm / k_norm (Qwen3) normalise each head of a view into the qkv output."""
     qkv = torch.randn(5, 4 * 16 + 2 * 2 * 16).to(dtype)
     q = qkv[:, : 4 * 16].view(5, 4, 16)
@@ -66,7 +78,8 @@ def test_norm_of_heads_in_a_strided_view(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 300])
-def test_rotary_in_place_matches_the_reference_exactly(dtype: torch.dtype, tokens: int, threads: int) -> None:
+def test_rotary_in_place_matches_the_reference_exactly(dtype: torch.dtype, tokens: int, threads: int, level: str
+                                                        ) -> None:  # fmt: skip
     heads, kv_heads, head_dim = 9, 3, 64
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     tables = rotary.RotaryTables(inv_freq, 1.0, 4096, dtype)
@@ -84,15 +97,15 @@ def test_rotary_in_place_matches_the_reference_exactly(dtype: torch.dtype, token
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 40])
-def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, rows: int, threads: int) -> None:
+def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, rows: int, threads: int, level: str) -> None:
     x = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
     same(kernels.silu_and_mul(x), activation.silu_and_mul(x))
 
 
-@pytest.mark.parametrize("width", [1536, 23])  # whole 16-lane vectors, and a masked tail
-def test_silu_and_mul_at_the_edges_of_exp(width: int) -> None:
-    """bfloat16 on AVX-512 computes exp on 16 lanes (vec512.h) rather than with expf: where exp underflows or
-    overflows, at zero, infinities and NaN it still gives the reference's values."""
+@pytest.mark.parametrize("width", [1536, 23])  # whole vectors, and a tail (masked on AVX-512, padded on AVX2)
+def test_silu_and_mul_at_the_edges_of_exp(width: int, level: str) -> None:
+    """bfloat16 on AVX2 and AVX-512 computes exp on 8 or 16 lanes (vec256.h, vec512.h) rather than with expf: where
+    exp underflows or overflows, at zero, infinities and NaN it still gives the reference's values."""
     edges = [-200.0, -104.5, -90.0, -88.0, -10.0, -1e-3, 0.0, 1e-3, 10.0, 88.0, 90.0, 200.0, float("inf"),
              float("-inf"), float("nan"), 3.0e38]  # fmt: skip
     gate = torch.tensor(edges * (width // len(edges) + 1))[:width]
@@ -103,15 +116,49 @@ def test_silu_and_mul_at_the_edges_of_exp(width: int) -> None:
     assert torch.equal(ours[~ours.isnan()], reference[~reference.isnan()])
 
 
-def test_silu_and_mul_over_many_rows_in_bfloat16() -> None:
-    """The 16-lane exp against the reference over six million values: equal but for a rounding boundary now and
-    then (none at this seed; a handful would be one bfloat16 unit each)."""
+def test_silu_and_mul_over_many_rows_in_bfloat16(level: str) -> None:
+    """The vector exps (and expf) against the reference over three million values: equal but for a rounding
+    boundary now and then (none at this seed; a handful would be one bfloat16 unit each)."""
     x = (torch.randn(2048, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16)
     ours, reference = kernels.silu_and_mul(x), activation.silu_and_mul(x)
     differ = ours != reference
     assert int(differ.sum()) <= 16
     unit = reference.float().abs()[differ] * 2.0**-7
     assert ((ours.float() - reference.float()).abs()[differ] <= unit).all()
+
+
+def test_the_vector_exps_give_the_same_bits() -> None:
+    """exp8 (AVX2) computes exp16's (AVX-512) polynomial and scaling: bf16 SiLU-and-mul agrees to the bit between
+    the two over three million values, at the edges of exp too."""
+    edges = torch.tensor([-200.0, -104.5, -100.0, -90.0, -88.0, 88.72, 88.8, 90.0, float("inf"), float("-inf")])
+    x = (torch.randn(2048, 2 * 1536, generator=torch.Generator().manual_seed(6)) * 4).to(torch.bfloat16)
+    x[0, : edges.numel()] = edges.to(torch.bfloat16)
+    outs = []
+    for level in VECTOR_EXP:
+        with isa.lowered(level):
+            outs.append(kernels.silu_and_mul(x).view(torch.int16))  # bits: silu(-inf) is NaN
+    assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_rotations_do_not_depend_on_the_level(dtype: torch.dtype) -> None:
+    """The norm's sum of squares adds in 16 fixed lanes and rotary has no reduction: every level's copy gives the
+    same bits, float32 included."""
+    gen = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(64, 1000, generator=gen).to(dtype) * 3 for _ in range(2))  # 1000: a 16-lane tail
+    weight = (1 + 0.1 * torch.randn(1000, generator=gen)).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    tables = rotary.RotaryTables(inv_freq, 1.0, 4096, dtype)
+    positions = torch.randint(0, 4096, (64,), generator=gen)
+    qkv = torch.randn(64, 12 * 64, generator=gen).to(dtype)
+    outs = []
+    for level in LEVELS:
+        with isa.lowered(level):
+            q, k = qkv.clone()[:, : 9 * 64].view(64, 9, 64), qkv.clone()[:, 9 * 64 :].view(64, 3, 64)
+            q, k = kernels.rotary(q, k, kernels.rotary_args(tables.cos, tables.sin, positions))
+            outs.append((kernels.rms_norm(x, weight, 1e-5), *kernels.add_rms_norm(x, residual, weight, 1e-5), q, k))
+    for out in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, outs[0], strict=True))
 
 
 def test_cpu_models_get_the_kernels_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:

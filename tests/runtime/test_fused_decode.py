@@ -1,25 +1,38 @@
 """A decode step's layers in one C call (runtime/models/fused_decode.py over runtime/kernels/cpu_gemv.c) against
-the ordinary ops (runtime/layers/), and the cases where it steps aside for them."""
+the ordinary ops (runtime/layers/), on each of the kernel's instruction sets up to the one in use (AVX2, AVX-512,
+AVX512-BF16: isa.lowered), and the cases where it steps aside for them (below AVX2 among them)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.kernels import cpu_gemv
+from runtime.kernels import cpu_gemv, isa
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.layers.linear import plain_weight
 from runtime.models.fused_decode import FUSED_ENV, MAX_ROWS, FusedDecode
 from runtime.models.quantize import quantize_model
 from tests.support.reference import assert_close_in_bf16
 
-pytestmark = pytest.mark.skipif(
-    cpu_gemv._ext is None or not cpu_gemv.cpu_supported(), reason="no gemv kernel or no AVX512-BF16 here"
-)
+pytestmark = pytest.mark.skipif(cpu_gemv._ext is None, reason="no gemv kernel here (built without a C compiler)")
+# the levels up to the one in use (WARMSTART_CPU_ISA=avx2 stops at avx2, as an AVX2 machine would) at which the
+# kernel runs: avx2 and above
+KERNEL_LEVELS = [level for level in isa.LEVELS[: isa.LEVELS.index(isa.chosen()) + 1]
+                 if isa.LEVELS.index(level) >= isa.LEVELS.index("avx2")]  # fmt: skip
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(params=KERNEL_LEVELS)
+def level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every kernel runs at each of the gemv kernel's levels for the test (the models are loaded inside it, so they
+    choose their paths there)."""
+    with isa.lowered(request.param):
+        assert cpu_gemv.cpu_supported()
+        yield request.param
 
 
 def bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -48,7 +61,9 @@ def decode_step(rows: int, num_layers: int, kv_heads: int, head_dim: int, seed: 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_matches_the_ops(  # type: ignore[no-untyped-def]
+    family: str, rows: int, level: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The whole step in one call against the model's ordinary ops on the same step: logits, and the pool (the new
     rows written at their slots, every other row untouched). GQA, a sliding window shorter than the context
     (mistral: 24) and a qkv bias (qwen2); rows at positions in other blocks, tables not in block order. The
@@ -83,7 +98,7 @@ def test_a_step_matches_the_ops(family: str, rows: int, tiny_model_dir, monkeypa
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_the_head_in_the_call_equals_the_separate_ops(rows: int, tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_head_in_the_call_equals_the_separate_ops(rows: int, level: str, tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The final norm and the LM head inside the one call give, bit for bit, the logits that the model's own
     ``_logits`` gives on the call's output (the same norm and gemv code: the ops take the gemv for every row count
     here). A step that wants some rows' logits only, or whose head the kernel cannot read, takes the separate ops."""
@@ -113,7 +128,9 @@ def test_the_head_in_the_call_equals_the_separate_ops(rows: int, tiny_model_dir,
     torch.testing.assert_close(fallback, ours, rtol=0, atol=0.01 * float(ours.abs().max()))
 
 
-def test_the_window_is_what_keeps_the_step_with_the_ops(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_window_is_what_keeps_the_step_with_the_ops(  # type: ignore[no-untyped-def]
+    level: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """mistral's window (24) reaches the C attention: with the key ranges' starts forced to 0 the step parts from
     the ordinary ops' at positions 40 and 63 by far more than the tolerance above, and not at position 5."""
     model = LLM.from_hf(tiny_model_dir("mistral"), dtype="bfloat16").engine.runner.model
@@ -143,7 +160,7 @@ def decode_meta(rows: int, prefill: bool = False) -> AttentionMetadata:
     return AttentionMetadata(torch.arange(rows), [group])
 
 
-def test_serves_decode_rows_only(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_serves_decode_rows_only(level: str, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
     fused = model.fused_decode
     assert fused is not None
@@ -157,7 +174,7 @@ def test_serves_decode_rows_only(tiny_model_dir) -> None:  # type: ignore[no-unt
     assert not fused.serves(1, decode_meta(1))
 
 
-def test_steps_aside_where_it_does_not_serve(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_steps_aside_where_it_does_not_serve(level: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     def fused_for(family: str, dtype: str = "bfloat16") -> FusedDecode | None:
         return LLM.from_hf(tiny_model_dir(family), dtype=dtype).engine.runner.model.fused_decode
 
@@ -180,7 +197,9 @@ def test_steps_aside_where_it_does_not_serve(tiny_model_dir, monkeypatch: pytest
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_engine_decodes_close_to_the_reference(family: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_engine_decodes_close_to_the_reference(  # type: ignore[no-untyped-def]
+    family: str, level: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 sums in another order than oneDNN's can part two greedy runs late: the first tokens agree, and the
     chosen tokens' logprobs stay within 0.05 of the reference path's while the runs agree."""
     model_dir: Path = tiny_model_dir(family)
@@ -200,7 +219,7 @@ def test_engine_decodes_close_to_the_reference(family: str, tiny_model_dir, monk
     assert_close_in_bf16(ours, reference)
 
 
-def test_a_step_with_lora_takes_the_ordinary_ops(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_with_lora_takes_the_ordinary_ops(level: str, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The LoRA add hooks the ordinary linears (runtime/layers/lora.py), so a batch carrying adapters skips the path."""
     model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
     c = model.config
@@ -222,7 +241,7 @@ def test_a_step_with_lora_takes_the_ordinary_ops(tiny_model_dir, monkeypatch: py
     torch.testing.assert_close(fused_logits, with_lora, rtol=0.05, atol=0.05)
 
 
-def test_the_step_reads_the_plain_weights_the_layers_hold_now(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_the_step_reads_the_plain_weights_the_layers_hold_now(level: str, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """Its pointer table follows a swap of a packed weight's plain tensor (prepacking's huge-page copy does that from
     its thread): after the swap the step reads the new tensor, and back again the old one."""
     llm = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16")
@@ -240,3 +259,27 @@ def test_the_step_reads_the_plain_weights_the_layers_hold_now(tiny_model_dir) ->
     packed.weight = original  # type: ignore[union-attr]
     assert not torch.equal(zeroed, before)
     assert torch.equal(model.forward(*step), before)
+
+
+def test_below_avx2_the_engine_takes_the_ordinary_ops(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """At portable (an ARM machine, or WARMSTART_CPU_ISA=portable) a model has no fused step and its linears take
+    the PyTorch path: it decodes (a call into the kernel would raise there, as the C call shows), close to the fused
+    path of the level in use. Close within 0.1, not the 0.05 of the same-level comparisons: the level also moves the
+    prefill (oneDNN packs float32 below AVX512-BF16, other attention paths), by up to 0.056 measured here."""
+    model_dir: Path = tiny_model_dir("llama")
+    prompts = [[3, 17, 42, 99, 5, 8, 13, 21, 34] * 4, [7, 1, 2]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    with isa.lowered("portable"):
+        assert not cpu_gemv.cpu_supported()
+        llm = LLM.from_hf(model_dir, dtype="bfloat16")
+        model = llm.engine.runner.model
+        assert model.fused_decode is None and not model.ops.gemv_kernel  # type: ignore[attr-defined]
+        ours = llm.generate(prompts, params)
+        assert cpu_gemv._ext is not None
+        with pytest.raises(RuntimeError, match="decode_layers: the kernel needs AVX2 .* run at 'portable'"):
+            cpu_gemv._ext.decode_layers(0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 64, 4, 2, 16, 128, 16, 1, 0, 1e-5, 1, 0, 0, 0,
+                                        0)  # fmt: skip
+    if KERNEL_LEVELS:
+        fused = LLM.from_hf(model_dir, dtype="bfloat16")
+        assert fused.engine.runner.model.fused_decode is not None
+        assert_close_in_bf16(ours, fused.generate(prompts, params), logprob_tol=0.1)

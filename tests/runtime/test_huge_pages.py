@@ -62,7 +62,7 @@ def test_the_arena_is_advised_for_huge_pages() -> None:
 
 
 @linux
-@pytest.mark.skipif(not cpu_gemv.cpu_supported(), reason="no gemv kernel or no AVX512-BF16 here")
+@pytest.mark.skipif(not cpu_gemv.cpu_supported(), reason="no gemv kernel here, or the kernels run below AVX2")
 def test_prepacking_puts_the_kernels_weights_in_huge_pages(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     prompts, params = [[3, 17, 42, 99, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -74,7 +74,7 @@ def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
     kernels = {m for m in modules if m.startswith("runtime.kernels.")}
     cpu_kernels = {"runtime.kernels._cpu_attention", "runtime.kernels._cpu_small_ops", "runtime.kernels.cpu_small_ops",
                    "runtime.kernels._cpu_gemv", "runtime.kernels.cpu_gemv", "runtime.kernels._cpu_lora",
-                   "runtime.kernels.cpu_lora", "runtime.kernels.switches"}
+                   "runtime.kernels.cpu_lora", "runtime.kernels.isa", "runtime.kernels.switches"}
     assert "triton" not in modules and kernels <= cpu_kernels
 
 

@@ -35,7 +35,10 @@ def prefill_step(model: Model, lengths: list[int], block_size: int = 16) -> tupl
 def test_wanted_rows_only_give_the_same_logits_and_pool(family: str, dtype: str, tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each prompt's last row (and a chunk that wants none) against the same step with every row's logits: equal
     logits for the wanted rows, an equal pool; the last layer's MLP sees the wanted rows only."""
-    model = LLM.from_hf(tiny_model_dir(family), dtype=dtype).engine.runner.model
+    engine = LLM.from_hf(tiny_model_dir(family), dtype=dtype).engine
+    if engine.prepack_thread is not None:  # both forwards on the same weights: packed ones, where they pack
+        engine.prepack_thread.join()
+    model = engine.runner.model
     lengths = [37, 20, 5]
     tokens, positions, caches, meta = prefill_step(model, lengths)
     every = torch.arange(sum(lengths))

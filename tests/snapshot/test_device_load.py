@@ -20,6 +20,7 @@ from handlers.coldstart import Timeline
 from handlers.state import ServeState, load_snapshot
 from runtime import SamplingParams
 from runtime.engine.device import DeviceError
+from runtime.kernels import isa
 from snapshot.cache import BlobCache
 from snapshot.device_copy import BlobCopier
 from snapshot.format import Manifest
@@ -168,7 +169,12 @@ def test_serving_on_a_device_shows_the_copy_in_timeline_status_and_metrics(
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(state.metrics.render(None).decode())
                for s in family.samples}  # fmt: skip
-    assert samples[("warmstart:engine_info", (("device", "cpu"), ("model_name", "tiny"), ("ops", "torch")))] == 1
+    info = [s for family in text_string_to_metric_families(state.metrics.render(None).decode())
+            for s in family.samples if s.name == "warmstart:engine_info"]  # fmt: skip
+    assert [(s.labels["device"], s.labels["model_name"], s.labels["ops"], s.value) for s in info] == [
+        ("cpu", "tiny", "torch", 1.0)]
+    assert info[0].labels["cpu_isa"] == status["details"]["ready"]["cpu_isa"] == isa.chosen()
+    assert info[0].labels["dtype"] in ("float32", "bfloat16") and info[0].labels["matmul_dtype"]
     assert samples[("warmstart:device_copy_bytes", ())] == copied["bytes"]
     assert samples[("warmstart:cold_start_seconds", (("phase", "device_copy"),))] == status["phases"]["device_copy"]
     state.shutdown()
