@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from handlers import demo, deploy_templates, prepare_command, serve, snapshot_commands
-from handlers.errors import CliError
+from handlers.errors import CliError, check_environment
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        check_environment()
         return int(args.func(args))
     except CliError as e:
         print(f"warmstart: error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 
@@ -53,3 +54,16 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:  # NaN too
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
     return value
+
+
+CPU_ISA_ENV = "WARMSTART_CPU_ISA"
+# runtime/kernels/isa.py's LEVELS, which a test keeps equal
+CPU_ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
+
+
+def check_environment() -> None:
+    """The variables that would stop the runtime's import, checked before it (which imports torch) in one line."""
+    level = os.environ.get(CPU_ISA_ENV)
+    if level and level not in CPU_ISA_LEVELS:
+        raise CliError(f"{CPU_ISA_ENV}={level!r} is not an instruction set level: use one of "
+                       f"{', '.join(CPU_ISA_LEVELS)} (it only lowers what this CPU runs), or unset it")

@@ -217,7 +217,7 @@ def _describe(e: Exception, ref: str) -> str:
         from snapshot.loader import SnapshotError
 
         known: tuple[type[Exception], ...] = (StoreError, FormatError, SnapshotError, ModelConfigError, DeviceError)
-    except ImportError:
+    except Exception:  # the runtime itself failed to import (e's cause, which importing it again raises again)
         known = ()
     if isinstance(e, known):
         return str(e)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from runtime.kernels import isa
+from runtime.layers.linear import packing_dtype
 from runtime.models.weights import DTYPES
-from runtime.quant.packed_linear import packing_dtype
 
 AUTO = "auto"
 SNAPSHOT_DTYPE = "bfloat16"  # what `warmstart build --dtype auto` stores: portable to every CPU kind

@@ -27,11 +27,11 @@ from runtime.engine.speculative import DraftProposer, NgramProposer, Proposer, S
 from runtime.engine.structured import GrammarCompiler, compiler_for
 from runtime.engine.tier_link import TierLink
 from runtime.generation_config import GenerationDefaults
+from runtime.layers.linear import packing_dtype
 from runtime.models.config import ModelConfig
 from runtime.models.model import Collective, Model
 from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background, weights_to
 from runtime.outputs import EngineStats, RequestOutput
-from runtime.quant.packed_linear import packing_dtype
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer import Detokenizer, Tokenizer
 

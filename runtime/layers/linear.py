@@ -8,8 +8,9 @@ from typing import TypeAlias
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import isa
 from runtime.quant.formats import QuantizedWeight
-from runtime.quant.packed_linear import PackedWeight, widened_linear, widens
+from runtime.quant.packed_linear import PackedWeight, widened_linear
 
 LinearWeight: TypeAlias = torch.Tensor | QuantizedWeight | PackedWeight
 
@@ -36,3 +37,17 @@ def plain_weight(w: LinearWeight) -> torch.Tensor | None:
     if isinstance(w, PackedWeight):
         return w.weight
     return None
+
+
+def packing_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """What a model in ``dtype`` packs its weights as on this CPU (runtime/quant/packed_linear.py); None: it does not
+    pack. bf16 itself only where the kernels' level has AVX512-BF16 and oneDNN packs bf16; float32 elsewhere."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.bfloat16 if isa.at_least("avx512_bf16") and isa.onednn_packs_bf16() else torch.float32
+
+
+def widens(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (plain) is a bf16 one that packing widens to float32 here."""
+    bf16 = weight.dtype == torch.bfloat16
+    return bf16 and weight.device.type == "cpu" and packing_dtype(torch.bfloat16) == torch.float32

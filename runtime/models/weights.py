@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 
 from runtime.kernels.cpu_gemv import gemv_serves
-from runtime.layers.linear import LinearWeight
+from runtime.layers.linear import LinearWeight, packing_dtype
 from runtime.models.config import ModelConfig, ModelConfigError
 from runtime.models.huge_pages import HugePageArena
 from runtime.quant.formats import from_tensors
-from runtime.quant.packed_linear import PackedWeight, packing_dtype
+from runtime.quant.packed_linear import PackedWeight
 
 log = logging.getLogger(__name__)
 

@@ -5,24 +5,21 @@ Reordering once when the engine starts measured 1.05-2.4x faster per matmul at 1
 shapes (benchmarks/packed_linear.py; bf16, 2 AVX-512 cores; most at few rows), with bit-identical results, for
 about 100 ms of reordering for SmolLM2-135M, done in the background after start.
 
-A bf16 model packs bf16 where the CPU has AVX512-BF16's dot products (``packing_dtype`` decides). Elsewhere
-oneDNN's bf16 matmul is emulated (on AVX2 it refuses to pack bf16 at all, and its plain bf16 matmul ran 2-4x slower
-than float32 there), so the packed copy is the bf16 weight widened to float32, exactly: x is widened, multiplied in
-float32 and the result rounded once to bf16, as F.linear's bf16 matmul accumulates in float32 and rounds once; only
-the order of the sums differs. The widened copy costs twice the bf16 weights' memory. Until a weight is packed (in
-the background after start) ``widened_linear`` computes with the plain one exactly as its packed copy will, so that
-no output depends on how far the packing has got. float32 models keep ``F.linear``, whose arithmetic the
-transformers comparison pins down, and quantized weights keep their own kernels.
+A bf16 model packs bf16 where the CPU has AVX512-BF16's dot products (``packing_dtype`` in runtime/layers/linear.py
+decides). Elsewhere oneDNN's bf16 matmul is emulated (on AVX2 it refuses to pack bf16 at all, and its plain bf16
+matmul ran 2-4x slower than float32 there), so the packed copy is the bf16 weight widened to float32, exactly: x is
+widened, multiplied in float32 and the result rounded once to bf16, as F.linear's bf16 matmul accumulates in float32
+and rounds once; only the order of the sums differs. The widened copy costs twice the bf16 weights' memory. Until a
+weight is packed (in the background after start) ``widened_linear`` computes with the plain one exactly as its packed
+copy will, so that no output depends on how far the packing has got. float32 models keep ``F.linear``, whose
+arithmetic the transformers comparison pins down, and quantized weights keep their own kernels.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-
-from runtime.kernels import isa
 
 
 class PackedWeight:
@@ -56,34 +53,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x.to(compute), weight, wide_bias, "none", [], "").to(x.dtype)
 
 
-def widens(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` (plain) is one that packing widens to float32 here (see the module's comment)."""
-    bf16 = weight.dtype == torch.bfloat16
-    return bf16 and weight.device.type == "cpu" and packing_dtype(torch.bfloat16) == torch.float32
-
-
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T for a plain weight that ``widens``, bit for bit what its packed copy gives: oneDNN's float32
-    matmul on the plain weight widened (measured identical to the packed layout's; F.linear's float32 is not)."""
+    """x @ weight.T for a plain bf16 weight that packing widens, bit for bit what its packed copy gives: oneDNN's
+    float32 matmul on the plain weight widened (measured identical to the packed layout's; F.linear's float32 is
+    not)."""
     return _onednn_linear(x, weight.float(), bias, torch.float32)
-
-
-def packing_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    """What a model in ``dtype`` packs its weights as on this CPU; None: it does not pack. bf16 itself only where the
-    kernels' level has AVX512-BF16 and oneDNN agrees; float32 elsewhere."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return None
-    return torch.bfloat16 if isa.at_least("avx512_bf16") and onednn_packs_bf16() else torch.float32
-
-
-@functools.cache
-def onednn_packs_bf16() -> bool:
-    """Whether oneDNN packs bf16 weights here: its own check, which ONEDNN_MAX_CPU_ISA lowers too (on AVX2 it raises
-    "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
-    except RuntimeError:
-        return False
-    return True

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from runtime import LLM, SamplingParams
 from runtime.kernels import cpu_gemv, isa
+from runtime.layers.linear import packing_dtype
 from runtime.layers.ops import TorchOps, select_ops
 from runtime.quant.formats import Int8Weight
-from runtime.quant.packed_linear import PackedWeight, packing_dtype
+from runtime.quant.packed_linear import PackedWeight
 from tests.support.reference import assert_close_in_bf16
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
@@ -91,13 +92,18 @@ def test_strided_and_batched_inputs(level: str) -> None:
     assert_one_rounding(out.view(2, 40), batched.view(2, 70), w, None)
 
 
-@pytest.mark.parametrize("lower", KERNEL_LEVELS[:-1])
+@pytest.mark.parametrize("lower", KERNEL_LEVELS[:-1] or KERNEL_LEVELS[-1:])
 def test_every_path_gives_the_same_products_and_roundings(lower: str) -> None:
     """The paths differ only in the order of their float32 sums (the products of bf16 values are exact): against the
-    path of the level in use, at most one bf16 unit apart, and on few outputs. SmolLM2-135M's qkv shape, with bias."""
+    path of the level in use, at most one bf16 unit apart, and on few outputs. SmolLM2-135M's qkv shape, with bias.
+    Where the kernel has one level here (AVX2 machines), that path is held to one rounding of the float32 product."""
     w, b = bf16(960, 576, seed=17), bf16(960, seed=18)
     x = bf16(cpu_gemv.KERNEL_MAX_ROWS, 576, seed=19)
-    top = cpu_gemv.gemv(x, w, b).float()
+    top = cpu_gemv.gemv(x, w, b)
+    if lower == isa.chosen():
+        assert_one_rounding(top, x, w, b)
+        return
+    top = top.float()
     with isa.lowered(lower):
         ours = cpu_gemv.gemv(x, w, b).float()
     unit = top.abs().clamp(min=2.0**-20) * 2.0**-7

@@ -12,8 +12,8 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.engine.model_runner import Chunk
 from runtime.kernels import isa
-from runtime.layers.linear import linear
-from runtime.quant.packed_linear import PackedWeight, packing_dtype, widens
+from runtime.layers.linear import linear, packing_dtype, widens
+from runtime.quant.packed_linear import PackedWeight
 from tests.support.model_configs import FAMILIES
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not available")
