@@ -1,9 +1,10 @@
 """One sequence's decode on llama.cpp, each token timed: the peer side of benchmarks/decode.py.
 
     OMP_NUM_THREADS=2 /work/peers/llamacpp/.venv/bin/python decode_llamacpp.py --model-dir DIR \
-        --prompt 1,2,3 --new-tokens 128 --out result.json
+        --prompt 1,2,3 --new-tokens 128 --out result.json [--outtype bf16|f16|f32|q8_0|q4_0]
 
-The GGUF comes from run_llamacpp.py's conversion cache (bf16, converted once with llama.cpp's own converter).
+The GGUF comes from run_llamacpp.py's conversion cache (bf16 by default, converted once with llama.cpp's own
+converter; q8_0/q4_0 quantized from the f32 one with llama_model_quantize).
 The prompt goes in as one llama_decode; then each step decodes the last token alone and takes the argmax of its
 logits (greedy, EOS ignored), as run_llamacpp.py does for one sequence. Output JSON: token_ms (each generated
 token after the first: the time from the previous token to it), first_token_s, token_ids.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run_llamacpp import _gguf_for  # noqa: E402
+from run_llamacpp import OUTTYPES, _gguf_for  # noqa: E402
 
 
 def main() -> int:
@@ -29,8 +30,9 @@ def main() -> int:
     p.add_argument("--prompt", required=True, help="token ids, comma-separated")
     p.add_argument("--new-tokens", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--outtype", default="bf16", choices=OUTTYPES, help="the GGUF's weight type (default bf16)")
     args = p.parse_args()
-    conversion = argparse.Namespace(model_dir=args.model_dir, gguf=None, outtype="bf16",
+    conversion = argparse.Namespace(model_dir=args.model_dir, gguf=None, outtype=args.outtype,
                                     gguf_cache=os.environ.get("LLAMACPP_GGUF_CACHE")
                                     or str(Path(sys.prefix).resolve().parent / "gguf-cache"))
     gguf, _ = _gguf_for(conversion)

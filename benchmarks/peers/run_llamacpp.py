@@ -7,9 +7,11 @@ Run it with the peer venv's python (see README.md in this folder):
 
 requests.json: a list of {"prompt_token_ids": [...], "max_tokens": N, "arrival_s": float}.
 
-The HF model directory is converted once to GGUF (bf16 by default, never quantized) with llama.cpp's
-own convert_hf_to_gguf.py (see llamacpp_convert.py) and cached under --gguf-cache, keyed by the
-model files' path, size and mtime; --gguf PATH uses a ready GGUF instead.
+The HF model directory is converted once to GGUF (bf16 by default) with llama.cpp's own
+convert_hf_to_gguf.py (see llamacpp_convert.py) and cached under --gguf-cache, keyed by the model
+files' path, size and mtime; --gguf PATH uses a ready GGUF instead. --outtype q8_0 / q4_0 quantize
+the f32 GGUF with llama.cpp's llama_model_quantize (what the llama-quantize tool does, its default
+choices: for q4_0 SmolLM2's tied embedding/head, 576 wide, stays q8_0), also cached.
 
 Decoding uses llama.cpp's low-level API the way llama-server does continuous batching: one context
 with n_seq_max = --max-num-seqs sequences (one KV stream per sequence, kv_unified=false); each step
@@ -42,6 +44,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+OUTTYPES = ("bf16", "f32", "f16", "q8_0", "q4_0")
+QUANTIZED = {"q8_0": 7, "q4_0": 2}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_Q4_0
 
 
 def _parse() -> argparse.Namespace:
@@ -51,8 +55,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--arrival", choices=("honoured", "burst"), default="honoured")
-    p.add_argument("--outtype", default="bf16", choices=("bf16", "f32", "f16"),
-                   help="GGUF weight type for the conversion (default bf16; no quantization)")
+    p.add_argument("--outtype", default="bf16", choices=OUTTYPES,
+                   help="GGUF weight type (default bf16; q8_0/q4_0: quantized by llama_model_quantize)")
     p.add_argument("--gguf", default=None, help="use this GGUF file instead of converting --model-dir")
     p.add_argument("--gguf-cache", default=os.environ.get("LLAMACPP_GGUF_CACHE")
                    or str(Path(sys.prefix).resolve().parent / "gguf-cache"))
@@ -85,8 +89,19 @@ def _gguf_for(args) -> tuple[Path, float]:
         return out, 0.0
     t0 = time.perf_counter()
     tmp = out.with_suffix(".tmp.gguf")
-    subprocess.run([sys.executable, str(HERE / "llamacpp_convert.py"), str(md), str(tmp), "--outtype", args.outtype],
-                   check=True, stdout=sys.stderr)
+    if args.outtype in QUANTIZED:
+        import llama_cpp.llama_cpp as L
+
+        source, _ = _gguf_for(argparse.Namespace(**{**vars(args), "outtype": "f32"}))
+        L.llama_backend_init()
+        params = L.llama_model_quantize_default_params()
+        params.ftype = QUANTIZED[args.outtype]
+        params.nthread = int(os.environ.get("OMP_NUM_THREADS") or 0)
+        if L.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit(f"llama_model_quantize {source} -> {args.outtype} failed")
+    else:
+        subprocess.run([sys.executable, str(HERE / "llamacpp_convert.py"), str(md), str(tmp),
+                        "--outtype", args.outtype], check=True, stdout=sys.stderr)
     tmp.rename(out)
     return out, time.perf_counter() - t0
 
