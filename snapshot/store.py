@@ -284,7 +284,8 @@ class Store(ABC):
                            f"with `warmstart lora push NAME=DIR --snapshot {snapshot_id}`)") from None
         target = raw.decode("utf-8", "replace").strip()
         if not is_id(target):
-            raise StoreError(f"{what} in {self.uri} does not hold a blob id (it holds {target[:40]!r}); push it again")
+            raise StoreError(f"{what} in {self.uri} does not hold a blob id ({len(raw)} bytes that are not one; "
+                             "what they say is not repeated here); push it again")
         return target
 
     def list_loras(self) -> dict[tuple[str, str], str]:
@@ -320,8 +321,9 @@ class Store(ABC):
         return raw.decode("utf-8", "replace").strip()
 
     def _bad_ref(self, name: str, content: str) -> str:
-        return (f"ref {name!r} in {self.uri} does not hold a snapshot id (it holds {content[:40]!r}); "
-                "point it again with 'warmstart tag'")
+        # never what it holds: a pointer replaced by someone else's file must not be read out through an error
+        return (f"ref {name!r} in {self.uri} does not hold a snapshot id ({len(content)} characters that are not "
+                "one); point it again with 'warmstart tag'")
 
     def delete_ref(self, name: str) -> None:
         check_ref_name(name)
@@ -400,7 +402,14 @@ class LocalStore(Store):
         self.uri = str(self.root)
 
     def _path(self, key: str) -> Path:
-        return self.root / key
+        """The file of ``key``; a link (the key's or a folder's) that leads out of the store is refused, so that a
+        pointer replaced by a link to /etc/passwd is never read, nor a write sent outside through a linked folder."""
+        path = self.root / key
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise StoreError(f"{key} in the store {self.uri} is a link that leads out of the store, which it does not "
+                             "follow; remove the link (or copy the file in its place)")
+        return path
 
     def _size(self, key: str) -> int | None:
         with os_errors(f"reading the store {self.uri}"):

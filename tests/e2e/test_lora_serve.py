@@ -163,3 +163,23 @@ def test_the_routes_need_the_api_key_and_metrics_count_page_ins(server: ServerPr
     assert values["warmstart:lora_load_seconds_sum"] > 0
     info = next(line for line in text.splitlines() if line.startswith("warmstart:lora_requests_info{"))
     assert 'max_lora="1"' in info  # --max-loras 1, no compiled adapters
+
+
+SECRET = "root:x:0:0:root:/root:/bin/bash\n"  # what a link to /etc/passwd would read
+
+
+def test_a_pointer_linked_out_of_the_store_or_holding_junk_is_refused_without_its_contents(
+        server: ServerProcess, built: tuple[TinySnapshot, Path, dict[str, Path]], tmp_path: Path) -> None:
+    """Issue 40, 12: whoever can write the store must not read files through the server's errors."""
+    snap = built[0]
+    outside = tmp_path / "passwd"
+    outside.write_text(SECRET)
+    loras = snap.store / "loras"
+    (loras / f"{snap.id}.spy").symlink_to(outside)
+    (loras / f"{snap.id}.junk").write_text("SECRET-JUNK-TEXT that is no blob id\n")
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        for path, says in (("spy", "is a link that leads out of the store"), ("junk", "does not hold a blob id")):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": f"x-{path}", "lora_path": path})
+            message = error_of(r)["message"]
+            assert r.status_code == 400 and says in message, message
+            assert "root:" not in message and "SECRET" not in message, message

@@ -438,3 +438,44 @@ def test_a_body_cut_midway_is_a_resumable_interruption(error: Exception) -> None
         assert next(pieces) == b"x" * 10
         with pytest.raises(TransferInterrupted, match="try again"):
             next(pieces)
+
+
+def test_links_out_of_the_store_are_never_followed_and_bad_pointers_never_echoed(tmp_path: Path) -> None:
+    """Issue 40, 12: a ref replaced by a link to a file outside, a refs folder linked outside (reads and writes), and
+    a ref holding text that is no id: each refused, and no error repeats what the file says. A link that stays
+    inside the store is followed as before."""
+    from snapshot.errors import StoreError
+    from snapshot.stores import open_store
+
+    from snapshot.format import blob_id
+
+    store = open_store(str(tmp_path / "store"))
+    sid = blob_id(b"{}")
+    store.put_manifest(sid, b"{}")
+    store.set_ref("good", sid)
+    outside = tmp_path / "passwd"
+    outside.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    refs = tmp_path / "store" / "refs"
+    (refs / "spy").symlink_to(outside)
+    (refs / "alias").symlink_to(refs / "good")  # inside the store
+    (refs / "junk").write_text("root:x:0:0 is no id\n")
+    assert store.get_ref("alias") == sid
+    with pytest.raises(StoreError, match="is a link that leads out of the store") as spy:
+        store.get_ref("spy")
+    with pytest.raises(StoreError, match="does not hold a snapshot id") as junk:
+        store.get_ref("junk")
+    assert "root:" not in str(spy.value) + str(junk.value)
+    good, bad = store.survey_refs()
+    assert good == {"good": sid} and set(bad) == {"junk"} and "root:" not in bad["junk"]
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "stolen").write_text(f"{sid}\n")
+    other = open_store(str(tmp_path / "other"))
+    other.put_manifest(sid, b"{}")
+    (tmp_path / "other" / "refs").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(StoreError, match="leads out of the store"):
+        other.get_ref("stolen")
+    with pytest.raises(StoreError, match="leads out of the store"):
+        other.set_ref("planted", sid)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["stolen"]
