@@ -33,12 +33,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
+def write_atomic(path: Path, fill: Callable[[BinaryIO], None], mode: int = 0o644) -> None:
     """Write ``path`` through a temporary file in the same directory (fsync, then rename), so that readers see
-    the old content or the new one, never a part."""
+    the old content or the new one, never a part. ``mode``: the file's permissions (before the umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"  # names starting with '.' are never listed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             fill(f)

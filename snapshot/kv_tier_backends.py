@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import time
 from pathlib import Path
 
+from snapshot.errors import StoreError
 from snapshot.files import os_errors, write_all, write_atomic
 from snapshot.store import Store
 
 SEGMENT_SUFFIX = ".kv"
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
 class DiskBackend:
     """Segments as files under ``root``, at most ``max_bytes`` of them: the least recently used go first.
 
     Recency is the file's modification time (a read touches it), so a restarted process keeps the order; the
-    index is rebuilt by one scan at start."""
+    index is rebuilt by one scan at start. Folders are 0700 and segments 0600; a directory that exists with wider
+    permissions is tightened at start (folders and segments under it too), or refused where it is not ours."""
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
         if max_bytes < 1:
@@ -34,12 +38,39 @@ class DiskBackend:
         self._sizes: dict[Path, int] = {}
         self._used: dict[Path, float] = {}
         with os_errors(f"preparing the KV tier directory {self.root}"):
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+            self._make_private(self.root, PRIVATE_DIR)
+            for folder in (p for p in self.root.rglob("*") if p.is_dir() and not p.is_symlink()):
+                self._make_private(folder, PRIVATE_DIR)
             for path in self.root.rglob(f"*{SEGMENT_SUFFIX}"):
                 if not path.name.startswith("."):  # a write cut short leaves a hidden temporary
+                    self._make_private(path, PRIVATE_FILE)
                     st = path.stat()
                     self._sizes[path], self._used[path] = st.st_size, st.st_mtime
         self._evict_over(self.max_bytes)
+
+    def _make_private(self, path: Path, mode: int) -> None:
+        """``path`` readable by the serving user only: tightened if it is wider, refused if it is not ours."""
+        st = path.lstat()
+        if stat.S_IMODE(st.st_mode) & 0o077 == 0:
+            return
+        if st.st_uid != os.geteuid():
+            raise StoreError(f"the KV tier directory {self.root} holds {path}, which others can read (mode "
+                             f"{stat.S_IMODE(st.st_mode):o}) and which belongs to another user, so it cannot be "
+                             "tightened: the tier holds users' conversations; give --kv-tier-dir a directory of the "
+                             "serving user's own")
+        os.chmod(path, mode)
+
+    def _make_dirs(self, folder: Path) -> None:
+        """``folder`` and the folders between it and the root, each created 0700 (mkdir's mode beats the umask
+        only for the last folder of parents=True)."""
+        missing = []
+        while folder != self.root and not folder.is_dir():
+            missing.append(folder)
+            folder = folder.parent
+        for path in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+                path.mkdir(mode=PRIVATE_DIR)
 
     @property
     def bytes_stored(self) -> int:
@@ -72,7 +103,8 @@ class DiskBackend:
         self._evict_over(self.max_bytes - len(data))
         path = self._path(key)
         with os_errors(f"writing a KV segment into {self.root}"):
-            write_atomic(path, lambda f: write_all(f, data))
+            self._make_dirs(path.parent)
+            write_atomic(path, lambda f: write_all(f, data), mode=PRIVATE_FILE)
         with self._lock:
             self._sizes[path], self._used[path] = len(data), time.time()
 

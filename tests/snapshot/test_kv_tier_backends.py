@@ -39,6 +39,43 @@ def test_disk_survives_a_restart_and_ignores_cut_writes(tmp_path: Path) -> None:
     assert oct(os.stat(root).st_mode & 0o777) == "0o700"  # users' conversations: the serving user's alone
 
 
+def modes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): oct(p.stat().st_mode & 0o777) for p in [root, *root.rglob("*")]}
+
+
+def test_disk_files_are_the_serving_users_alone_and_an_existing_wide_directory_is_tightened(tmp_path: Path) -> None:
+    """Issue 40, 7: an existing 0755 --kv-tier-dir held 0644 segments in 0755 folders."""
+    root = tmp_path / "tier"
+    (root / "ns" / "m").mkdir(parents=True, mode=0o755)
+    os.chmod(root, 0o755)
+    (root / "ns" / "m" / "old.kv").write_bytes(b"old")
+    os.chmod(root / "ns" / "m" / "old.kv", 0o644)
+    umask = os.umask(0o022)  # the usual one, under which mkdir and open leave others read access
+    try:
+        disk = DiskBackend(root, max_bytes=10_000)
+        disk.put("ns/m/-/l/new", b"kv")
+    finally:
+        os.umask(umask)
+    assert modes(root) == {".": "0o700", "ns": "0o700", "ns/m": "0o700", "ns/m/old.kv": "0o600", "ns/m/-": "0o700",
+                           "ns/m/-/l": "0o700", "ns/m/-/l/new.kv": "0o600"}  # fmt: skip
+    assert disk.get("ns/m/old") == b"old" and disk.get("ns/m/-/l/new") == b"kv"
+
+
+def test_a_wide_directory_of_another_user_is_refused_saying_why(tmp_path: Path) -> None:
+    from snapshot.errors import StoreError
+
+    root = tmp_path / "tier"
+    (root / "theirs").mkdir(parents=True, mode=0o700)
+    os.chmod(root / "theirs", 0o755)
+    if os.geteuid() == 0:  # root can hand the folder to another user; others make the case with their own folder
+        os.chown(root / "theirs", 65534, 65534)
+        with pytest.raises(StoreError, match=r"which others can read \(mode 755\) and which belongs to another user"):
+            DiskBackend(root, max_bytes=1_000)
+    else:
+        DiskBackend(root, max_bytes=1_000)
+        assert modes(root)["theirs"] == "0o700"
+
+
 def test_disk_shrinks_to_a_smaller_budget_at_start(tmp_path: Path) -> None:
     root = tmp_path / "tier"
     first = DiskBackend(root, max_bytes=1_000)

@@ -445,9 +445,8 @@ def test_links_out_of_the_store_are_never_followed_and_bad_pointers_never_echoed
     a ref holding text that is no id: each refused, and no error repeats what the file says. A link that stays
     inside the store is followed as before."""
     from snapshot.errors import StoreError
-    from snapshot.stores import open_store
-
     from snapshot.format import blob_id
+    from snapshot.stores import open_store
 
     store = open_store(str(tmp_path / "store"))
     sid = blob_id(b"{}")
