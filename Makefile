@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst $() ,_,$(TORCH)))))
 
-.PHONY: venv demo test lint typecheck clean
+.PHONY: venv demo test test-emulated lint typecheck clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,21 @@ test: venv lint typecheck
 	$(BIN)/pytest -q
 	if $(BIN)/python -c "import sys; from runtime.kernels import isa; sys.exit(not isa.at_least('avx512'))"; then \
 		$(AVX2_ONLY) $(BIN)/pytest -q -p no:cacheprovider tests/runtime -m "not kernels"; fi
+
+# The instruction-set-sensitive tests again on emulated CPUs below this one (.ci/emulate-cpu: qemu-user, installed
+# from Debian's packages when missing; about 10x slower): AVX2 (Haswell) where this CPU has AVX-512, and one without
+# AVX (Nehalem) on every x86 CPU. Not the huge-page tests (qemu-user does not pass madvise(MADV_HUGEPAGE) through)
+# nor tests/runtime/test_isa.py (the processes it starts run natively). .ci/run runs this after `make test`.
+ISA_TESTS := $(addprefix tests/runtime/,test_cpu_attention.py test_cpu_gemv.py test_cpu_lora.py \
+	test_cpu_prefill_attention.py test_cpu_small_ops.py test_fused_decode.py test_packed_linear.py \
+	test_engine_matches_transformers.py test_last_layer_rows.py)
+
+test-emulated: venv
+	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-emulated: qemu-user emulates x86-64 CPUs; nothing to do here"; exit 0; fi; \
+	for cpu in $$($(BIN)/python -c "from runtime.kernels import isa; print(*['avx2'] * isa.at_least('avx512'), 'sse')"); do \
+		echo "== the instruction-set tests on an emulated $$cpu CPU"; \
+		.ci/emulate-cpu $$cpu $(BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not kernels" $(ISA_TESTS) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
