@@ -71,6 +71,12 @@ def add_command(sub: Any) -> None:
                         help="requests that may wait beyond --max-num-seqs before a 429 (default 256)")
     limits.add_argument("--max-body-bytes", type=positive_int, default=2 << 20,
                         help="largest request body accepted (default 2 MiB)")
+    limits.add_argument("--max-header-bytes", type=positive_int, default=MAX_HEAD_BYTES,
+                        help="largest request line and headers, together; past it a 431 and the connection closed "
+                             f"(default {MAX_HEAD_BYTES // 1024} KiB)")
+    limits.add_argument("--max-connections", type=positive_int, default=MAX_CONNECTIONS,
+                        help="open connections at most; one more gets a 503 and is closed before it is read "
+                             f"(default {MAX_CONNECTIONS})")
     limits.add_argument("--grace-seconds", type=float, default=30.0,
                         help="on SIGTERM, how long in-flight requests may take to finish; those still running then "
                              "end with an error (a 503, or an SSE error event) (default 30)")
@@ -100,6 +106,10 @@ def add_command(sub: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+# Before a request is known (handlers/http_limits.py): 64 KiB of request line and headers, of the order of nginx's
+# large_client_header_buffers (4 x 8 KiB); connections a few times what --max-num-seqs and --max-queue hold.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75.0  # nginx's default; a balancer reusing a connection the server just closed gets a 502
 CUT_MARGIN_SECONDS = 5.0  # after the grace period, for requests ended with an error to say so and close
 
@@ -159,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from handlers.app import create_app
+    from handlers.http_limits import bounded_protocol
     from handlers.state import Limits, ServeState, load_snapshot
 
     timeline.mark("imports")
@@ -205,6 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # ws="none": no WebSocket routes, so uvicorn need not import the websockets package (15-50 ms) at start.
     server = Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off", ws="none",
+                                   http=bounded_protocol(args.max_header_bytes, args.max_connections),
                                    timeout_keep_alive=args.keep_alive_seconds,
                                    timeout_graceful_shutdown=args.grace_seconds + CUT_MARGIN_SECONDS))
 
