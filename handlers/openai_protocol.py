@@ -78,6 +78,7 @@ class ServedModel:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1 (handlers/reasoning.py)
     tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the chat template
+    special_tokens_in_content: bool = False  # --special-tokens-in-content: a request's text may hold control tokens
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
     _max_text: int | None = field(default=None, init=False, repr=False)
@@ -523,21 +524,23 @@ def _chat_prompt(messages: list[dict[str, str]], model: ServedModel, prefix: Pre
         if any(m["role"] == "system" for m in messages):
             raise bad(f"prefix {prefix.name!r} is a system prompt; leave the system message out or the prefix",
                       "prefix")
-        ids = _render(tok, [{"role": "system", "content": SYSTEM_PLACEHOLDER}, *messages], template_kwargs)
+        ids = _render(model, [{"role": "system", "content": SYSTEM_PLACEHOLDER}, *messages], template_kwargs)
         head = model.system_head()
         if ids[: len(head)] != head:
             raise bad(f"prefix {prefix.name!r} is a system prompt, which the chat template puts before a user "
                       "message; start the messages with a user message", "messages")
         return prefix.token_ids + ids[len(head) :]
-    ids = _render(tok, messages, template_kwargs)
+    ids = _render(model, messages, template_kwargs)
     return (prefix.token_ids if prefix else []) + ids
 
 
-def _render(tok: Tokenizer, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+def _render(model: ServedModel, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
     import jinja2
 
+    assert model.tokenizer is not None
     try:
-        return tok.encode_chat(messages, **template_kwargs)
+        return model.tokenizer.encode_chat(messages, special_tokens_in_content=model.special_tokens_in_content,
+                                           **template_kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
 

@@ -103,6 +103,10 @@ def add_command(sub: Any) -> None:
     http.add_argument("--no-access-log", dest="access_log", action="store_false",
                       help="leave out the JSON line per request (method, path, status, duration, request id, token "
                            "counts; never the prompt) that stdout has by default")
+    http.add_argument("--special-tokens-in-content", action="store_true",
+                      help="let special-token text in a chat request's messages, tools and documents become control "
+                           "tokens, as transformers' apply_chat_template does; by default it stays text, so that a "
+                           "message cannot open a turn of another role (runtime/chat_content.py)")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -180,7 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = Limits(args.max_queue, args.max_body_bytes, key,
                     args.body_timeout_seconds, args.sse_ping_seconds, args.allowed_origins, args.access_log)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url,
-                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                       special_tokens_in_content=args.special_tokens_in_content)
 
     def load() -> None:
         load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,

@@ -57,6 +57,7 @@ class ServeState:
     group: TensorParallelGroup | None = None  # rank 0's tensor-parallel group, when there is one
     reasoning_parser: str | None = None  # chat replies' <think> split out (handlers/reasoning.py)
     tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the template
+    special_tokens_in_content: bool = False  # --special-tokens-in-content (runtime/chat_content.py)
     # LoRA adapters served (the snapshot's, and those loaded by POST /v1/load_lora_adapter): name -> summary
     loras: dict[str, dict[str, Any]] = field(default_factory=dict)
     lora_source: LoraSource | None = None  # where /v1/load_lora_adapter fetches adapters: the snapshot's store
@@ -171,6 +172,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             sampling_defaults=dict(engine.generation_defaults.sampling),
             reasoning_parser=state.reasoning_parser,
             tool_call_parser=state.tool_call_parser,
+            special_tokens_in_content=state.special_tokens_in_content,
         )
         info = {
             "snapshot_id": report.snapshot_id,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from handlers.openai_protocol import Body, ServedModel, _adapter, _messages, _token_ids, bad
 
 if TYPE_CHECKING:
-    from runtime.tokenizer import Tokenizer
+    pass
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
@@ -28,8 +28,9 @@ def tokenize(body: Any, model: ServedModel) -> dict[str, Any]:
             raise bad("this model has no chat template; send a prompt instead of messages", "messages")
         messages = _messages(b.raw["messages"])
         model.check_text_length(sum(len(m["content"]) for m in messages), "messages")
-        text = _render_chat(tok, messages, b.boolean("add_generation_prompt", True))
-        ids = tok.encode(text, add_special_tokens=b.boolean("add_special_tokens", False))
+        ids = _render_chat(model, messages, b.boolean("add_generation_prompt", True))  # as a chat request's prompt
+        if b.boolean("add_special_tokens", False):
+            ids = tok.encode("", add_special_tokens=True) + ids  # what the tokenizer's post-processor puts in front
     else:
         prompt = b.string("prompt")
         if prompt is None:
@@ -62,10 +63,12 @@ def detokenize(body: Any, model: ServedModel) -> dict[str, Any]:
         raise bad("tokens holds an id this model's tokenizer has no text for", "tokens") from None
 
 
-def _render_chat(tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def _render_chat(model: ServedModel, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
     import jinja2
 
+    assert model.tokenizer is not None
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return model.tokenizer.encode_chat(messages, add_generation_prompt,
+                                           special_tokens_in_content=model.special_tokens_in_content)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise bad(f"the chat template cannot render these messages: {e}", "messages") from None

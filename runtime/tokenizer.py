@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from runtime import chat_template
+from runtime.chat_content import ContentShield
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -47,6 +48,11 @@ class Tokenizer:
 
     def _load(self, tokenizer_json: Path, tokenizer_config: Path | None, chat_template: Path | None) -> None:
         self.hf = HFTokenizer.from_file(str(tokenizer_json))
+        # The same tokenizer reading special-token text as plain text (runtime/chat_content.py): a second instance,
+        # since the switch is the tokenizer's and requests are tokenized on several threads.
+        self.plain_hf = HFTokenizer.from_file(str(tokenizer_json))
+        self.plain_hf.encode_special_tokens = True
+        self.special_texts = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special]
         config: dict[str, Any] = json.loads(tokenizer_config.read_text()) if tokenizer_config else {}
         self.chat_template: str | None = config.get("chat_template")
         if self.chat_template is None and chat_template is not None:
@@ -75,11 +81,23 @@ class Tokenizer:
         return chat_template.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     special_tokens=self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    special_tokens_in_content: bool = False, **kwargs: Any) -> list[int]:
+        """The prompt's token ids. Special-token text in the messages, tools, documents or ``kwargs`` stays text
+        (runtime/chat_content.py) unless ``special_tokens_in_content``; the template's own are special tokens."""
         # The template already writes the special tokens it wants (as HF's apply_chat_template assumes).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        if special_tokens_in_content:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                               add_special_tokens=False)
+        shield = ContentShield(self.special_texts)
+        rendered = self.apply_chat_template(shield.cover(messages), add_generation_prompt, **shield.cover(kwargs))
+        ids: list[int] = []
+        for text, from_content in shield.pieces(rendered):
+            if from_content:
+                ids += self.plain_hf.encode(text, add_special_tokens=False).ids
+            else:
+                ids += self.encode(text, add_special_tokens=False)
+        return ids
 
     def system_prompt_tokens(self, text: str) -> list[int]:
         """The tokens every chat request whose system message is ``text`` starts with.
