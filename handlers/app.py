@@ -76,8 +76,10 @@ def create_app(state: ServeState) -> Starlette:
         service = state.ready_service()
         state.timeline.mark("first_request")
         raw = await read_body(request, state.limits) if raw is None else raw
+        tenant = _tenant(request, state.tenant_header)
         # Parsing and tokenizing run in a thread, counted against the queue limit meanwhile.
-        return await service.respond(functools.partial(_parse_request, raw, parse, service.model), request.receive)
+        return await service.respond(functools.partial(_parse_request, raw, parse, service.model, tenant),
+                                     request.receive)
 
     async def completions(request: Request) -> Response:
         service = state.ready_service()
@@ -87,9 +89,10 @@ def create_app(state: ServeState) -> Starlette:
         if several is None:
             return await generate(request, parse_completion, raw)
         state.timeline.mark("first_request")
+        tenant = _tenant(request, state.tenant_header)
 
         async def one(body: dict[str, Any], receive: Receive) -> Response:
-            return await service.respond(functools.partial(parse_completion, body, service.model), receive)
+            return await service.respond(lambda: _salted(parse_completion(body, service.model), tenant), receive)
 
         return await serve_prompts(several, one, request.receive)
 
@@ -97,11 +100,12 @@ def create_app(state: ServeState) -> Starlette:
         service = state.ready_service()
         state.timeline.mark("first_request")
         raw = await read_body(request, state.limits)
+        tenant = _tenant(request, state.tenant_header)
         calls: list[responses_api.ResponsesCall] = []
 
         def prepare() -> Generation:
             calls.append(responses_api.to_chat(parse_json(raw)))
-            return parse_chat(calls[0].chat, service.model)
+            return _salted(parse_chat(calls[0].chat, service.model), tenant)
 
         reply = await service.respond(prepare, request.receive)
         call, name = calls[0], service.model.name
@@ -197,8 +201,26 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-def _parse_request(raw: bytes, parse: Parser, model: ServedModel) -> Generation:
-    return parse(parse_json(raw), model)
+def _parse_request(raw: bytes, parse: Parser, model: ServedModel, tenant: str | None = None) -> Generation:
+    return _salted(parse(parse_json(raw), model), tenant)
+
+
+def _tenant(request: Request, header: str | None) -> str | None:
+    """The tenant a request names in ``header`` (serve --tenant-header), whose prefix cache is its own."""
+    if header is None:
+        return None
+    tenant = request.headers.get(header)
+    if not tenant:
+        raise bad(f"this server keeps each tenant's cached prompts apart and needs the header {header!r} naming "
+                  "the tenant")
+    return tenant
+
+
+def _salted(gen: Generation, tenant: str | None) -> Generation:
+    """The request's KV chain in its tenant's own: the tenant goes into its cache salt (with its cache_salt)."""
+    if tenant is not None:
+        gen.params.cache_salt = f"tenant:{tenant}\0{gen.params.cache_salt or ''}"
+    return gen
 
 
 # \ud800-\udfff: half of a surrogate pair, or a lone surrogate that no UTF-8 text (and no tokenizer) can hold.

@@ -144,7 +144,7 @@ class Generation:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "n", "stream", "stream_options", "user", "prefix", "include_stop_str_in_output",
-                 "logprobs", "adapter", "speculative", "skip_special_tokens"}
+                 "logprobs", "adapter", "speculative", "skip_special_tokens", "cache_salt"}
 # Known fields whose effect is not implemented: accepted only at the value that changes nothing.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
@@ -595,6 +595,9 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
         raise bad(str(e), e.param) from None
     # best_of ranks the choices by their tokens' logprobs; the reply shows them only where asked (gen.logprobs)
     ranked = 0 if best_of > n and logprobs is None else logprobs
+    cache_salt = b.string("cache_salt")
+    if cache_salt is not None and not cache_salt:
+        raise bad("cache_salt must be a non-empty string (or left out)", "cache_salt")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -612,6 +615,7 @@ def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs
             speculative=b.boolean("speculative", True),
             structured_outputs=structured,
             n=best_of,
+            cache_salt=cache_salt,
             **controls,
         )
     except ValueError as e:  # the runtime's own checks: kept as a second line

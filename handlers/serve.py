@@ -107,6 +107,11 @@ def add_command(sub: Any) -> None:
                       help="let special-token text in a chat request's messages, tools and documents become control "
                            "tokens, as transformers' apply_chat_template does; by default it stays text, so that a "
                            "message cannot open a turn of another role (runtime/chat_content.py)")
+    http.add_argument("--tenant-header", metavar="NAME",
+                      help="a request header naming the tenant (required on every generation request): each tenant's "
+                           "prompts are cached in a chain of their own, as with a cache_salt per tenant, so no tenant "
+                           "sees another's cache hits (nor reuses the snapshot's prefixes: each tenant computes them "
+                           "once). By default every request may reuse every other's cached prompt")
     serve.set_defaults(func=cmd_serve)
 
 
@@ -185,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.body_timeout_seconds, args.sse_ping_seconds, args.allowed_origins, args.access_log)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url,
                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                       special_tokens_in_content=args.special_tokens_in_content)
+                       special_tokens_in_content=args.special_tokens_in_content, tenant_header=args.tenant_header)
 
     def load() -> None:
         load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,

@@ -42,6 +42,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's cache_salt: the request's KV chain starts from this salt, so it shares cached blocks (and KV tier
+    # segments) only with requests of the same salt, and none with unsalted ones (snapshot prefixes included)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +74,8 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            fail("cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}")
         if not 0.0 <= self.temperature <= 100.0:
             fail("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -23,6 +23,14 @@ def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
     return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
 
 
+def salted_root(root: int, salt: str | None) -> int:
+    """Where a request's chain starts: ``root`` (none, or a LoRA adapter's), or for a cache salt one derived from
+    both, so that no block hash of the chain equals one of another salt's, or of no salt's."""
+    if salt is None:
+        return root
+    return xxhash.xxh3_64_intdigest(root.to_bytes(8, "little") + b"\0cache_salt\0" + salt.encode("utf-8", "replace"))
+
+
 def block_hashes(token_ids: Seq[int], block_size: int, parent_hash: int = NO_PARENT) -> list[int]:
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from runtime.engine.adapters import AdapterSelector, VirtualPrefix, virtual_token_ids
-from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes, salted_root
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from runtime.engine.device import cuda_memory, resolve_device
 from runtime.engine.dtype_choice import AUTO, cpu_path, resolve_dtype
@@ -264,7 +264,7 @@ class LLMEngine:
         if prefix is not None:
             token_ids = prefix.token_ids + token_ids
         lora = adapter if adapter in self.loras else None
-        hash_root = self.loras.hash_root(lora) if lora is not None else NO_PARENT
+        hash_root = salted_root(self.loras.hash_root(lora) if lora is not None else NO_PARENT, params.cache_salt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens; the context is {self.max_model_len} tokens "
