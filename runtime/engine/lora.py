@@ -123,6 +123,7 @@ class LoraWeights:
             t = tensors[key]
             if list(t.shape) != list(shape):
                 raise ValueError(f"{what}: tensor {key} has shape {list(t.shape)}, its metadata says {shape}")
+            _check_finite(what, key, t)
         for key in shapes:
             m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.lora_a", key)
             if m is None:
@@ -205,6 +206,8 @@ def lora_from_peft(
         module, s = HF_MODULES[hf_module]
         fan_in, outs = slice_sizes(config, module)
         a, b = ab["A"].float(), ab["B"].float()
+        _check_finite(what, f"layer {layer} {hf_module} lora_A", a)
+        _check_finite(what, f"layer {layer} {hf_module} lora_B", b)
         r = a.shape[0]
         if a.shape != (r, fan_in) or b.shape != (outs[s], r):
             raise ValueError(f"{what}: layer {layer} {hf_module} has lora_A {tuple(a.shape)} and lora_B "
@@ -219,11 +222,22 @@ def lora_from_peft(
         fused_a[s * rank : s * rank + r] = a
         row = sum(outs[:s])
         fused_b[row : row + outs[s], :r] = b * scale
-    for layer_modules in layers:
+    for i, layer_modules in enumerate(layers):
         for module, (a, b) in layer_modules.items():
             layer_modules[module] = (a.to(dtype), b.to(dtype))
+            _check_finite(what, f"layer {i} {module} lora_B scaled to {str(dtype).removeprefix('torch.')}",
+                          layer_modules[module][1])
     targets = sorted({hf for _, hf in pairs})
     return LoraWeights(name, rank, layers, targets)
+
+
+def _check_finite(what: str, tensor_name: str, t: torch.Tensor) -> None:
+    """ValueError for NaN or infinite values: an adapter's rows share the batched LoRA add with other requests',
+    and a NaN there (times the zeros of their padding) would empty their outputs too."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{what}: tensor {tensor_name} holds {bad} NaN or infinite values; an adapter must be "
+                         "finite (retrain it, or check the file it came from)")
 
 
 def _check_peft_config(what: str, peft_config: dict[str, Any]) -> None:

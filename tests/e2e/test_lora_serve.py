@@ -183,3 +183,30 @@ def test_a_pointer_linked_out_of_the_store_or_holding_junk_is_refused_without_it
             message = error_of(r)["message"]
             assert r.status_code == 400 and says in message, message
             assert "root:" not in message and "SECRET" not in message, message
+
+
+def test_a_stored_adapter_with_nan_weights_is_a_400_naming_the_tensor(
+        server: ServerProcess, built: tuple[TinySnapshot, Path, dict[str, Path]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40, 4: pushed by a writer who skipped the checks (the push itself refuses it: test_lora_weights.py)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from runtime.engine import lora as engine_lora
+
+    snap, _, dirs = built
+    poisoned = tmp_path / "poison"
+    shutil.copytree(dirs["math"], poisoned)
+    tensors = load_file(str(poisoned / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(poisoned / "adapter_model.safetensors"))
+    with monkeypatch.context() as m:
+        m.setattr(engine_lora, "_check_finite", lambda *_: None)
+        push_lora(open_store(str(snap.store)), BlobCache(tmp_path / "push-cache"), AdapterSpec("poison", poisoned),
+                  snap.id)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "poison", "lora_path": "poison"})
+        assert r.status_code == 400 and "NaN or infinite values" in error_of(r)["message"], r.text
+        assert "poison" not in {m["id"] for m in http.get("/v1/models").json()["data"]}

@@ -144,3 +144,41 @@ def test_tensors_of_another_model_or_broken_pairs_are_refused(tiny_model_dir, tm
     with pytest.raises(ValueError, match="not supported"):
         lora_from_peft("a", peft_config, {"base_model.model.model.layers.0.self_attn.rotary.lora_A.weight":
                                           tensors[a_key]}, qwen3, torch.float32)
+
+
+@pytest.mark.parametrize(("tensor", "value"), [("lora_B", float("nan")), ("lora_A", float("inf")),
+                                               ("lora_B", -float("inf"))])  # fmt: skip
+def test_non_finite_adapters_are_refused_naming_the_tensor(tiny_model_dir, tmp_path: Path, tensor: str,
+                                                            value: float) -> None:  # fmt: skip
+    """Issue 40, 4: a NaN adapter emptied other adapters' outputs in the same batch; it must not get in."""
+    model_dir = tiny_model_dir("llama")
+    config = ModelConfig.from_dir(model_dir)
+    peft_config, tensors = read_peft(make_adapter(model_dir, tmp_path / "a", "LoraConfig", seed=3, **CASES["qv"]))
+    key = next(k for k in sorted(tensors) if ".layers.1." in k and "v_proj" in k and tensor in k)
+    tensors[key][0, 0] = value
+    with pytest.raises(ValueError, match=f"tensor layer 1 v_proj {tensor} holds 1 NaN or infinite values"):
+        lora_from_peft("bad", peft_config, tensors, config, torch.bfloat16)
+
+
+def test_an_adapter_whose_scaling_overflows_its_dtype_is_refused(tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("llama")
+    config = ModelConfig.from_dir(model_dir)
+    peft_config, tensors = read_peft(make_adapter(model_dir, tmp_path / "a", "LoraConfig", seed=3, **CASES["qv"]))
+    key = next(k for k in sorted(tensors) if ".layers.0." in k and "q_proj" in k and "lora_B" in k)
+    tensors[key][0, 0] = 60_000.0  # finite in float32 and float16; scaled by alpha / r = 4, past float16's 65504
+    lora_from_peft("fine", peft_config, tensors, config, torch.bfloat16)
+    with pytest.raises(ValueError, match="tensor layer 0 qkv lora_B scaled to float16 holds 1 NaN or infinite"):
+        lora_from_peft("bad", peft_config, tensors, config, torch.float16)
+
+
+def test_stored_tensors_that_are_not_finite_are_refused_at_load(tiny_model_dir, tmp_path: Path) -> None:
+    model_dir = tiny_model_dir("llama")
+    config = ModelConfig.from_dir(model_dir)
+    peft_config, tensors = read_peft(make_adapter(model_dir, tmp_path / "a", "LoraConfig", seed=3, **CASES["qv"]))
+    lora = lora_from_peft("ok", peft_config, tensors, config, torch.float32)
+    stored = lora.tensors()
+    key = sorted(stored)[0]
+    stored[key] = stored[key].clone()
+    stored[key].view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match=f"tensor {key} holds 1 NaN or infinite values"):
+        LoraWeights.from_tensors("ok", lora.meta(), stored)
