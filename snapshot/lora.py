@@ -119,12 +119,51 @@ def lora_loader(entry: dict[str, Any], cache: BlobCache, size: int,
     name = entry["name"]
 
     def load() -> LoraWeights:
+        check_record(entry, size, f"the record of LoRA adapter {name!r}")
         pull(entry["blob"])
         raw = read_verified_blob(cache, entry["blob"], size, f"LoRA adapter {name!r}")
         tensors = {n: _view(raw, place) for n, place in entry["tensors"].items()}
         return LoraWeights.from_tensors(name, entry["meta"], tensors)
 
     return load
+
+
+STORED_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def check_record(entry: Any, blob_size: int, what: str) -> None:
+    """LoraError naming what is wrong unless ``entry`` (a manifest's or a pushed document's record of one adapter)
+    describes tensors that lie within its blob of ``blob_size`` bytes: the record is data from the store, and a
+    tampered one must be refused, not crash the load."""
+    def fail(why: str) -> LoraError:
+        return LoraError(f"{what} {why}; push the adapter again")
+
+    if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), dict) or not entry["tensors"]:
+        raise fail("has no table of tensors")
+    if not isinstance(entry.get("meta"), dict) or not isinstance(entry.get("name"), str):
+        raise fail("has no name or metadata")
+    for name, place in entry["tensors"].items():
+        if not isinstance(place, dict):
+            raise fail(f"describes tensor {str(name)[:80]!r} as {type(place).__name__}, not an object")
+        offset, nbytes, dtype, shape = (place.get(k) for k in ("offset", "nbytes", "dtype", "shape"))
+        if dtype not in STORED_DTYPES:
+            raise fail(f"gives tensor {str(name)[:80]!r} the dtype {str(dtype)[:20]!r}, not one of "
+                       f"{', '.join(STORED_DTYPES)}")
+        ints = [offset, nbytes, *(shape if isinstance(shape, list) else [None])]
+        if not isinstance(shape, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                  for v in ints):
+            raise fail(f"gives tensor {str(name)[:80]!r} an offset, size or shape that is not whole numbers")
+        if nbytes != STORED_DTYPES[dtype] * _product(shape):
+            raise fail(f"gives tensor {str(name)[:80]!r} {nbytes} bytes, which its shape {shape} of {dtype} is not")
+        if offset + nbytes > blob_size:
+            raise fail(f"places tensor {str(name)[:80]!r} past the end of its {blob_size}-byte blob")
+
+
+def _product(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _view(raw: torch.Tensor, place: dict[str, Any]) -> torch.Tensor:
@@ -213,6 +252,7 @@ def fetch_lora(store: Store, cache: BlobCache, snapshot_id: str, name: str) -> t
         raise CorruptBlob(f"{where} was pushed against snapshot {data['snapshot']}; push it again")
     if set(data["blobs"]) != {entry.get("blob")}:
         raise CorruptBlob(f"{where} lists blobs other than its adapter's; push it again")
+    check_record(entry, data["blobs"][entry["blob"]], where)
     pull_blobs(store, cache, data["blobs"], snapshot=snapshot_id)
     return entry, data["blobs"][entry["blob"]]
 

@@ -210,3 +210,48 @@ def test_a_stored_adapter_with_nan_weights_is_a_400_naming_the_tensor(
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "poison", "lora_path": "poison"})
         assert r.status_code == 400 and "NaN or infinite values" in error_of(r)["message"], r.text
         assert "poison" not in {m["id"] for m in http.get("/v1/models").json()["data"]}
+
+
+def _tampered(entry: dict[str, Any], size: int, how: str) -> dict[str, Any]:
+    import copy
+
+    bad = copy.deepcopy(entry)
+    first = sorted(bad["tensors"])[0]
+    place = bad["tensors"][first]
+    if how == "bytes too long":
+        place["nbytes"] += 4
+    elif how == "offset past the data":
+        place["offset"] = size
+    elif how == "wrong shape":
+        place["shape"] = [3, 5, 7]
+    elif how == "unknown dtype":
+        place["dtype"] = "complex128"
+    elif how == "tensors as a list":
+        bad["tensors"] = list(bad["tensors"].values())
+    return bad
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("bytes too long", "bytes, which its shape"), ("offset past the data", "past the end of its"),
+    ("wrong shape", "bytes, which its shape"), ("unknown dtype", "the dtype 'complex128'"),
+    ("tensors as a list", "has no table of tensors"),
+])  # fmt: skip
+def test_a_tampered_adapter_record_is_a_400_naming_it(
+        server: ServerProcess, built: tuple[TinySnapshot, Path, dict[str, Path]], tmp_path: Path, how: str,
+        says: str) -> None:
+    """Issue 40, 11: a document pushed by whoever can write the store, describing the math adapter's real blob
+    wrongly; each was a 500."""
+    from snapshot.format import blob_id, encode_lora_document
+
+    snap = built[0]
+    store = open_store(str(snap.store))
+    entry, size = fetch_lora(store, BlobCache(tmp_path / "cache"), snap.id, "math")
+    document = encode_lora_document(snap.id, _tampered(entry, size, how), {entry["blob"]: size})
+    (tmp_path / "doc").write_bytes(document)
+    store.put_blob(blob_id(document), tmp_path / "doc")
+    name = "tampered-" + how.replace(" ", "-")
+    store.set_lora(snap.id, name, blob_id(document))
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name})
+    message = error_of(r)["message"]
+    assert r.status_code == 400 and says in message and f"LoRA adapter {name!r}" in message, r.text
