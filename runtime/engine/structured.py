@@ -58,7 +58,9 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
         import json
 
         assert spec.choice is not None
-        return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        # One lexeme (a terminal) rather than one parser rule per choice: llguidance's parser holds at most 2,000
+        # items a row, and a list past that errored at the first token (the request then ended, unmatched)
+        return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
     return str(llg.LLMatcher.grammar_from_lark(spec.grammar))
 
 

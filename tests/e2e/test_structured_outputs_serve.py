@@ -97,6 +97,9 @@ def test_constrained_and_free_requests_at_once_are_both_right(client: openai.Ope
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "send one of them"),
+    # issue 40, 6: 60,000 choices took ~2 s to check in the parsing pool every request shares
+    ({"guided_choice": [f"c{i}" for i in range(60_000)]}, "60000 choices; at most 4096"),
+    ({"structured_outputs": {"choice": [f"c{i}" for i in range(4097)]}}, "4097 choices; at most 4096"),
 ])  # fmt: skip
 def test_invalid_constraints_are_a_400_naming_the_problem(client: openai.OpenAI, body: dict[str, Any],
                                                           problem: str) -> None:
@@ -104,6 +107,13 @@ def test_invalid_constraints_are_a_400_naming_the_problem(client: openai.OpenAI,
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, extra_body=body)
     assert problem in caught.value.message
     assert caught.value.body["param"] in body  # type: ignore[index]
+
+
+def test_the_largest_choice_list_accepted_is_served(client: openai.OpenAI) -> None:
+    choices = [f"label {i}" for i in range(4096)]  # past llguidance's 2,000 parser items a row
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20,
+                                           extra_body={"guided_choice": choices})
+    assert reply.choices[0].message.content in choices
 
 
 def test_every_choice_of_n_follows_the_schema(client: openai.OpenAI) -> None:

@@ -77,6 +77,14 @@ def test_json_object_regex_and_choice(llm: LLM) -> None:
     assert choice.text in ("yes", "no", "maybe so") and choice.finish_reason == "stop"
 
 
+def test_a_long_choice_list_is_followed(llm: LLM) -> None:
+    """Past llguidance's 2,000 parser items a row: a list of one rule per choice errored at the first token, and the
+    request ended after one character that matched no choice."""
+    for choices in ([f"label {i}" for i in range(3000)], ["a", "ab", "abc"]):  # also choices prefixes of others
+        outs = llm.generate([PROMPT] * 4, [params(StructuredOutputsParams(choice=choices), seed) for seed in range(4)])
+        assert all(out.text in choices and out.finish_reason == "stop" for out in outs), [o.text for o in outs]
+
+
 def test_free_rows_sample_as_alone_when_batched_with_constrained_ones(llm: LLM) -> None:
     free = [params(None, seed) for seed in (5, 6)]
     alone = [out.token_ids for out in llm.generate([PROMPT, "Another prompt"], free)]
