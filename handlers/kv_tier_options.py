@@ -87,6 +87,7 @@ def attach(engine: Any, snapshot_id: str, config: KVTierConfig) -> dict[str, Any
     """Give ``engine`` its tier; returns what /status says about it."""
     from runtime.engine.kv_tier import DEFAULT_SEGMENT_BLOCKS, KVTier, TierScope
     from snapshot.kv_tier_backends import DiskBackend, StoreBackend
+    from snapshot.s3 import REQUEST_SIZED
     from snapshot.stores import open_store
 
     backend: DiskBackend | StoreBackend
@@ -94,7 +95,7 @@ def attach(engine: Any, snapshot_id: str, config: KVTierConfig) -> dict[str, Any
         backend = DiskBackend(config.directory, config.max_bytes)
         where = str(config.directory)
     else:
-        backend = StoreBackend(open_store(config.store))
+        backend = StoreBackend(open_store(config.store, REQUEST_SIZED))
         where = backend.store.uri
     c = engine.config
     scope = TierScope(config.namespace, snapshot_id, "", engine.options.dtype, engine.blocks.block_size,

@@ -15,7 +15,9 @@ import asyncio
 import os
 import signal
 import socket
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75.0  # nginx's default; a balancer reusing a connection the server just closed gets a 502
 CUT_MARGIN_SECONDS = 5.0  # after the grace period, for requests ended with an error to say so and close
+# After that, the KV tier's queued writes (state.shutdown: 5 s at most) and a last margin: then the process exits,
+# whatever its threads are doing (a KV tier read stuck on an unreachable S3).
+EXIT_MARGIN_SECONDS = 5.0 + 2.0
+EXIT_LINGER_SECONDS = 2.0  # once "stopped" (or the error) is printed, threads left in I/O are not waited for longer
 
 
 def origin_list(value: str) -> tuple[str, ...]:
@@ -231,6 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    timeout_graceful_shutdown=args.grace_seconds + CUT_MARGIN_SECONDS))
 
     def stop(signum: int, frame: Any) -> None:
+        if not server.should_exit:
+            exit_within(args.grace_seconds + CUT_MARGIN_SECONDS + EXIT_MARGIN_SECONDS, 0, "the grace period is over")
         server.should_exit = True
 
     def rank_lost(why: str) -> None:
@@ -254,10 +262,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         state.shutdown()
         follower_codes = end_followers(ranks)
     if state.status == "failed":
+        exit_within(EXIT_LINGER_SECONDS, 1, "the load failed")
         raise CliError(state.error or "the snapshot failed to load")
     print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4),
                      **({"follower_exit_codes": follower_codes} if follower_codes else {})})
+    exit_within(EXIT_LINGER_SECONDS, 0, "stopped")
     return 0
+
+
+def exit_within(seconds: float, code: int, why: str) -> None:
+    """End the process with ``code`` after ``seconds`` if it is still running then: the interpreter's exit waits
+    for every non-daemon thread, and one stuck in I/O (a KV tier read on an unreachable S3, with its own
+    timeouts and retries) kept a stopped server alive for a minute past its grace period."""
+
+    def watch() -> None:
+        time.sleep(seconds)
+        busy = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        print_json_line({"event": "exit_forced", "why": why, "after_seconds": seconds, "threads_left": busy})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    threading.Thread(target=watch, name="warmstart-exit-watchdog", daemon=True).start()
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -18,6 +19,21 @@ MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 32 << 20
 CHECKSUM_METADATA = "xxh3"  # user metadata (x-amz-meta-xxh3) where a push stores a blob's id, its xxh3-128
 MAX_ATTEMPTS = 8  # unless configured: botocore retries throttling, 5xx and dropped connections with backoff
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long one S3 call may take: connecting, waiting for each read, and attempts in all."""
+
+    connect: float = 5.0
+    read: float = 60.0  # a multi-GB snapshot's part on a slow link
+    attempts: int | None = None  # None: AWS_MAX_ATTEMPTS, else MAX_ATTEMPTS
+
+
+BULK = Timeouts()
+# The KV tier's calls serve a request that waits at most 2 s for its segments (runtime/engine/kv_tier.py), and a
+# process that stops must not sit in a 60-second read behind them.
+REQUEST_SIZED = Timeouts(connect=1.0, read=2.0, attempts=2)
 
 BUCKET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _ACCESS_DENIED = {"AccessDenied", "AllAccessDisabled", "Forbidden", "403", "AccountProblem"}
@@ -39,7 +55,8 @@ class S3Store(Store):
     file, instance role; AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for other endpoints): nothing is passed here.
     """
 
-    def __init__(self, uri: str, *, client: Any = None, transfer_config: Any = None) -> None:
+    def __init__(self, uri: str, *, client: Any = None, transfer_config: Any = None,
+                 timeouts: Timeouts = BULK) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -63,12 +80,12 @@ class S3Store(Store):
             self._session = boto3.session.Session()
             configured = self._session._session.get_config_variable  # AWS_RETRY_MODE, AWS_MAX_ATTEMPTS, profile
             retries = {"mode": configured("retry_mode") or "standard",
-                       "total_max_attempts": configured("max_attempts") or MAX_ATTEMPTS}
+                       "total_max_attempts": timeouts.attempts or configured("max_attempts") or MAX_ATTEMPTS}
             self.client = client or self._session.client("s3", config=Config(
                 retries=retries,
                 max_pool_connections=64,  # parallel ranged GETs and multipart uploads share this client
-                connect_timeout=5,
-                read_timeout=60,
+                connect_timeout=timeouts.connect,
+                read_timeout=timeouts.read,
             ))
         except (BotoCoreError, ValueError) as e:
             raise StoreError(f"cannot set up S3 access for {self.uri}: {self._redact(str(e))}") from None

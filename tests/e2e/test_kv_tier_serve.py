@@ -154,3 +154,49 @@ def test_tier_flags_that_cannot_work_are_refused_before_loading(snap: TinySnapsh
     proc = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", REF, "--store", str(snap.store), *flags],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+class Blackhole:
+    """A TCP endpoint on loopback that accepts connections and never answers: an S3 that stopped responding."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.held:
+            s.close()
+
+
+def test_a_stop_while_s3_does_not_answer_ends_within_the_grace_period(
+    snap: TinySnapshot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40, 9: with --grace-seconds 5 a server printed "stopped" and was alive 60 s later, its tier readers in
+    S3 reads of 60 s with retries. Now the tier's calls have request-sized timeouts and every exit is bounded."""
+    hole = Blackhole()
+    try:
+        isolate_aws(monkeypatch, tmp_path)
+        env = {**{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}, "AWS_ENDPOINT_URL": hole.url}
+        server = serve(snap, "--kv-tier", "s3", "--kv-store", "s3://unreachable/t", "--grace-seconds", "1", env=env)
+        for _ in range(3):  # lookups that time out: served without the tier
+            assert len(complete(server, TURN1)[0]) == 6
+        started = time.monotonic()
+        code = server.stop()
+        took = time.monotonic() - started
+        assert code == 0 and took < 1 + 5 + 7 + 3, took  # grace, the cut margin, the exit margin, slack
+        assert any(e.get("event") == "stopped" for e in server.events)
+    finally:
+        hole.close()
