@@ -27,13 +27,16 @@ class DiskBackend:
     """Segments as files under ``root``, at most ``max_bytes`` of them: the least recently used go first.
 
     Recency is the file's modification time (a read touches it), so a restarted process keeps the order; the
-    index is rebuilt by one scan at start. Folders are 0700 and segments 0600; a directory that exists with wider
-    permissions is tightened at start (folders and segments under it too), or refused where it is not ours."""
+    index is rebuilt by one scan at start, and again before a write at most every ``rescan_seconds``, so that the
+    budget holds for the directory, whichever instances share it (between scans it may be passed by what the
+    others wrote since). Folders are 0700 and segments 0600; a directory that exists with wider permissions is
+    tightened at start (folders and segments under it too), or refused where it is not ours."""
 
-    def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int, rescan_seconds: float = 5.0) -> None:
         if max_bytes < 1:
             raise ValueError(f"the KV tier's disk budget must be positive, not {max_bytes}")
         self.root, self.max_bytes = Path(root).expanduser().absolute(), max_bytes
+        self.rescan_seconds = rescan_seconds
         self._lock = threading.Lock()
         self._sizes: dict[Path, int] = {}
         self._used: dict[Path, float] = {}
@@ -42,12 +45,25 @@ class DiskBackend:
             self._make_private(self.root, PRIVATE_DIR)
             for folder in (p for p in self.root.rglob("*") if p.is_dir() and not p.is_symlink()):
                 self._make_private(folder, PRIVATE_DIR)
-            for path in self.root.rglob(f"*{SEGMENT_SUFFIX}"):
-                if not path.name.startswith("."):  # a write cut short leaves a hidden temporary
-                    self._make_private(path, PRIVATE_FILE)
-                    st = path.stat()
-                    self._sizes[path], self._used[path] = st.st_size, st.st_mtime
+            for path in self._segments():
+                self._make_private(path, PRIVATE_FILE)
+            self._scan()
         self._evict_over(self.max_bytes)
+
+    def _segments(self) -> list[Path]:
+        # a write cut short leaves a hidden temporary, never counted
+        return [p for p in self.root.rglob(f"*{SEGMENT_SUFFIX}") if not p.name.startswith(".")]
+
+    def _scan(self) -> None:
+        """The index from what the directory holds now (other instances' segments included)."""
+        sizes, used = {}, {}
+        for path in self._segments():
+            with contextlib.suppress(FileNotFoundError):  # evicted by another instance meanwhile
+                st = path.stat()
+                sizes[path], used[path] = st.st_size, st.st_mtime
+        with self._lock:
+            self._sizes, self._used = sizes, used
+            self._scanned = time.monotonic()
 
     def _make_private(self, path: Path, mode: int) -> None:
         """``path`` readable by the serving user only: tightened if it is wider, refused if it is not ours."""
@@ -100,6 +116,9 @@ class DiskBackend:
     def put(self, key: str, data: bytes) -> None:
         if len(data) > self.max_bytes:
             return  # larger than the whole budget: not worth evicting everything for
+        if time.monotonic() - self._scanned >= self.rescan_seconds:
+            with os_errors(f"scanning the KV tier directory {self.root}"):
+                self._scan()
         self._evict_over(self.max_bytes - len(data))
         path = self._path(key)
         with os_errors(f"writing a KV segment into {self.root}"):

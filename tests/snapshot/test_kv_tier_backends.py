@@ -76,6 +76,20 @@ def test_a_wide_directory_of_another_user_is_refused_saying_why(tmp_path: Path) 
         assert modes(root)["theirs"] == "0o700"
 
 
+def test_two_instances_sharing_a_directory_keep_one_budget_between_them(tmp_path: Path) -> None:
+    """Issue 40, 10: each counted only its own writes, so two held twice the budget."""
+    root = tmp_path / "tier"
+    first, second = (DiskBackend(root, max_bytes=1_000, rescan_seconds=0) for _ in range(2))
+    for i in range(10):
+        first.put(f"ns/m/-/l/a{i}", b"a" * 100)
+        time.sleep(0.002)
+        second.put(f"ns/m/-/l/b{i}", b"b" * 100)
+        time.sleep(0.002)
+    held = sum(p.stat().st_size for p in root.rglob("*.kv"))
+    assert held <= 1_000, held
+    assert second.get("ns/m/-/l/b9") == b"b" * 100 and first.get("ns/m/-/l/a0") is None  # oldest out, whoever wrote
+
+
 def test_disk_shrinks_to_a_smaller_budget_at_start(tmp_path: Path) -> None:
     root = tmp_path / "tier"
     first = DiskBackend(root, max_bytes=1_000)
