@@ -69,6 +69,7 @@ class Server:
                str(work / "cache"), "--port", str(self.port), "--max-model-len", "8192"]
         if tier:
             cmd += ["--kv-tier", "s3", "--kv-store", "s3://bench/kv"]
+            env = {**env, "WARMSTART_KV_TIER_KEY": "benchmark key, 16 bytes or more"}
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
         deadline = time.monotonic() + 300

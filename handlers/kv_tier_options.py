@@ -9,6 +9,7 @@ snapshot's id and --kv-tier-namespace, so tenants that must not share blocks eac
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from handlers.errors import CliError
 KINDS = ("off", "disk", "s3")
 DEFAULT_MAX_BYTES = 10 << 30
 DEFAULT_TTL_S = 7 * 86400.0
+KEY_ENV = "WARMSTART_KV_TIER_KEY"
+MIN_KEY_BYTES = 16  # runtime/engine/kv_tier.py's (not imported here: this module loads before the server listens)
 _NAMESPACE = re.compile(r"^[0-9A-Za-z_.-]{1,64}$")
 
 
@@ -31,6 +34,7 @@ class KVTierConfig:
     ttl_s: float
     namespace: str
     segment_blocks: int | None  # None: the tier's default
+    key: bytes | None  # signs the segments; None: the disk tier's own (DiskBackend.shared_key)
 
 
 def add_arguments(serve: Any) -> None:
@@ -51,6 +55,10 @@ def add_arguments(serve: Any) -> None:
                            "at the default block size)")  # fmt: skip
     tier.add_argument("--kv-tier-namespace", default="default", metavar="NAME",
                       help="tenants with different namespaces never share KV (default: default)")
+    tier.add_argument("--kv-tier-key-file", type=Path, metavar="PATH",
+                      help=f"a file holding the secret that signs the tier's segments (HMAC), the same for every "
+                           f"instance sharing the tier; or set ${KEY_ENV}. Required for --kv-tier s3; the disk tier "
+                           "otherwise keeps one in its directory")
 
 
 def config_from(args: argparse.Namespace) -> KVTierConfig | None:
@@ -80,7 +88,31 @@ def config_from(args: argparse.Namespace) -> KVTierConfig | None:
         raise CliError("--kv-tier does not combine with --speculative draft (the tier holds the target's KV only)")
     directory = args.kv_tier_dir or Path.home() / ".cache" / "warmstart" / "kv-tier"
     return KVTierConfig(args.kv_tier, directory, args.kv_store, args.kv_tier_max_bytes, args.kv_tier_ttl,
-                        args.kv_tier_namespace, args.kv_tier_segment_blocks)
+                        args.kv_tier_namespace, args.kv_tier_segment_blocks, signing_key(args))
+
+
+def signing_key(args: argparse.Namespace) -> bytes | None:
+    """The secret the tier's segments are signed with: --kv-tier-key-file's, else $WARMSTART_KV_TIER_KEY's; None
+    lets the disk tier use its own. Whoever can write to a shared bucket must not be able to make KV a server
+    loads, so the s3 tier needs one."""
+    if args.kv_tier_key_file is not None:
+        try:
+            key = args.kv_tier_key_file.read_bytes().strip()
+        except OSError as e:
+            raise CliError(f"--kv-tier-key-file {args.kv_tier_key_file}: {e.strerror or e}") from None
+        where = f"--kv-tier-key-file {args.kv_tier_key_file}"
+    elif os.environ.get(KEY_ENV):
+        key, where = os.environ[KEY_ENV].strip().encode(), f"${KEY_ENV}"
+    elif args.kv_tier == "s3":
+        raise CliError(f"--kv-tier s3 signs its segments with a secret every instance shares, so that whoever can "
+                       f"write to the bucket cannot plant KV: set ${KEY_ENV} or give --kv-tier-key-file (e.g. 32 "
+                       "random bytes: `head -c 32 /dev/urandom | base64`)")
+    else:
+        return None
+    if len(key) < MIN_KEY_BYTES:
+        raise CliError(f"{where} holds {len(key)} bytes; the KV tier's key needs at least {MIN_KEY_BYTES} (e.g. "
+                       "`head -c 32 /dev/urandom | base64`)")
+    return key
 
 
 def attach(engine: Any, snapshot_id: str, config: KVTierConfig) -> dict[str, Any]:
@@ -101,7 +133,10 @@ def attach(engine: Any, snapshot_id: str, config: KVTierConfig) -> dict[str, Any
     scope = TierScope(config.namespace, snapshot_id, "", engine.options.dtype, engine.blocks.block_size,
                       (c.num_layers, c.num_kv_heads, c.head_dim))
     segment_blocks = config.segment_blocks or DEFAULT_SEGMENT_BLOCKS
-    engine.attach_kv_tier(KVTier(backend, scope, segment_blocks, max_age_s=config.ttl_s))
+    key = config.key if config.key is not None else backend.shared_key() if isinstance(backend, DiskBackend) else None
+    if key is None:  # config_from refuses an s3 tier without a key
+        raise ValueError("the KV tier has no signing key")
+    engine.attach_kv_tier(KVTier(backend, scope, segment_blocks, max_age_s=config.ttl_s, key=key))
     return {"kind": config.kind, "where": where, "namespace": config.namespace, "ttl_s": config.ttl_s,
             "segment_tokens": segment_blocks * engine.blocks.block_size,
             **({"max_bytes": config.max_bytes} if config.kind == "disk" else {})}

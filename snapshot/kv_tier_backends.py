@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 import threading
 import time
@@ -20,6 +21,7 @@ from snapshot.files import os_errors, write_all, write_atomic
 from snapshot.store import Store
 
 SEGMENT_SUFFIX = ".kv"
+KEY_FILE, KEY_BYTES = ".key", 32
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
@@ -64,6 +66,27 @@ class DiskBackend:
         with self._lock:
             self._sizes, self._used = sizes, used
             self._scanned = time.monotonic()
+
+    def shared_key(self) -> bytes:
+        """The key that signs this directory's segments when none is given: 32 random bytes in ``.key`` (0600),
+        made by the first instance to use the directory and read by the others, so that only the serving user (who
+        alone can read the directory) can sign a segment."""
+        path = self.root / KEY_FILE
+        with os_errors(f"reading the KV tier's key {path}"):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+            except FileExistsError:
+                key = path.read_bytes()
+                if len(key) != KEY_BYTES:
+                    raise StoreError(f"the KV tier's key {path} is {len(key)} bytes, not {KEY_BYTES}; delete it (the "
+                                     "segments signed with it are then refused) and start again") from None
+                return key
+            key = secrets.token_bytes(KEY_BYTES)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+                f.flush()
+                os.fsync(f.fileno())
+            return key
 
     def _make_private(self, path: Path, mode: int) -> None:
         """``path`` readable by the serving user only: tightened if it is wider, refused if it is not ours."""

@@ -9,17 +9,22 @@ layout: KV never crosses models, adapters or tenants) and the chained hash of it
 token before it. Only whole segments are stored; a tail shorter than a segment is computed again. A lookup tries
 a chain's segments from the start and keeps the longest run that loads.
 
-Every object carries its chain hashes, its layout and an xxh3-128 of its payload; anything that does not match
-what was asked (a damaged object, a hash collision, a layout from another build) is a miss, counted as a fault,
-never KV in the pool. Backends are plain key -> bytes stores (snapshot/kv_tier_backends.py); all their I/O runs
-on this module's threads, off the engine's step loop: writes are queued (and dropped, counted, when the queue is
-full), reads are futures a waiting sequence polls.
+Every object carries its chain hashes and its layout, and ends with an HMAC-SHA256 of all of it under a key the
+instances that share the tier share (handlers/kv_tier_options.py says where it comes from): whoever can write to
+the tier but lacks the key cannot make a segment a server will load, and a segment of another tenant namespace
+or another key is refused. Anything that does not match what was asked (a forged or damaged object, a hash
+collision, a layout from another build) is a miss, counted as a fault, never KV in the pool. Backends are plain
+key -> bytes stores (snapshot/kv_tier_backends.py); all their I/O runs on this module's threads, off the
+engine's step loop: writes are queued (and dropped, counted, when the queue is full), reads are futures a waiting
+sequence polls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import json
 import queue
 import struct
@@ -31,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import xxhash
 
 MAGIC = b"WSKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 had an unkeyed checksum, which a forger recomputes
+MAC_LEN = 32
+MIN_KEY_BYTES = 16
 DEFAULT_SEGMENT_BLOCKS = 16
 _HEADER_LEN = struct.Struct("<I")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,27 +88,36 @@ class TierScope:
         return (layers, 2, kv_heads, blocks, self.block_size, head_dim)
 
 
-def pack(scope: TierScope, hashes: Seq[int], kv: torch.Tensor, written_at: float | None = None) -> bytes:
-    """One segment as bytes: magic, header length, a JSON header, then the KV's raw bytes."""
+def _mac(key: bytes, signed: bytes | memoryview) -> bytes:
+    return hmac.new(key, signed, hashlib.sha256).digest()
+
+
+def pack(scope: TierScope, hashes: Seq[int], kv: torch.Tensor, key: bytes, written_at: float | None = None) -> bytes:
+    """One segment as bytes: magic, header length, a JSON header, the KV's raw bytes, then the HMAC of them all."""
     if tuple(kv.shape) != scope.segment_shape(len(hashes)) or str(kv.dtype).removeprefix("torch.") != scope.dtype:
         raise ValueError(f"KV {tuple(kv.shape)} {kv.dtype} is not a segment of {len(hashes)} blocks of {scope.prefix}")
     payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
     header = json.dumps({
         "version": FORMAT_VERSION, "scope": scope.prefix, "hashes": [f"{h:016x}" for h in hashes],
         "written_at": time.time() if written_at is None else written_at,
-        "checksum": xxhash.xxh3_128_hexdigest(payload),
     }).encode()  # fmt: skip
-    return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+    signed = MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+    return signed + _mac(key, signed)
 
 
-def unpack(data: bytes, scope: TierScope, hashes: Seq[int], max_age_s: float | None = None) -> torch.Tensor:
-    """The KV of the segment whose chain hashes are ``hashes``; TierCorrupt when ``data`` is anything else."""
+def unpack(data: bytes, scope: TierScope, hashes: Seq[int], key: bytes, max_age_s: float | None = None
+           ) -> torch.Tensor:  # fmt: skip
+    """The KV of the segment whose chain hashes are ``hashes``; TierCorrupt when ``data`` is anything else,
+    first of all when it is not signed with ``key``."""
+    if data[:4] != MAGIC:
+        raise TierCorrupt("not a warmstart KV segment")
+    signed = memoryview(data)[:-MAC_LEN]
+    if len(data) < 8 + MAC_LEN or not hmac.compare_digest(_mac(key, signed), data[-MAC_LEN:]):
+        raise TierCorrupt("not signed with this tier's key (forged, damaged, or written under another key)")
     try:
-        if data[:4] != MAGIC:
-            raise TierCorrupt("not a warmstart KV segment")
         (header_len,) = _HEADER_LEN.unpack_from(data, 4)
-        header = json.loads(data[8 : 8 + header_len])
-        payload = memoryview(data)[8 + header_len :]
+        header = json.loads(bytes(signed[8 : 8 + header_len]))
+        payload = signed[8 + header_len :]
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise TierCorrupt(f"unreadable header: {e}") from None
     if header.get("version") != FORMAT_VERSION or header.get("scope") != scope.prefix:
@@ -115,8 +130,6 @@ def unpack(data: bytes, scope: TierScope, hashes: Seq[int], max_age_s: float | N
     dtype = _DTYPES[scope.dtype]
     if len(payload) != dtype.itemsize * torch.Size(shape).numel():
         raise TierCorrupt(f"{len(payload)} payload bytes, not {shape} of {scope.dtype}")
-    if xxhash.xxh3_128_hexdigest(payload) != header.get("checksum"):
-        raise TierCorrupt("payload checksum mismatch")
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape)
 
 
@@ -160,10 +173,14 @@ class KVTier:
     def __init__(
         self, backend: KVTierBackend, scope: TierScope, segment_blocks: int = DEFAULT_SEGMENT_BLOCKS,
         max_age_s: float | None = None, max_pending_writes: int = 64, read_threads: int = 4, fetch_threads: int = 16,
+        *, key: bytes,
     ) -> None:  # fmt: skip
         if segment_blocks < 1:
             raise ValueError(f"segment_blocks must be at least 1, not {segment_blocks}")
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"the KV tier's signing key must be at least {MIN_KEY_BYTES} bytes, not {len(key)}")
         self.backend, self.scope, self.segment_blocks, self.max_age_s = backend, scope, segment_blocks, max_age_s
+        self._key = key
         self.stats = TierStats()
         self._writes: queue.Queue[tuple[TierScope, list[int], torch.Tensor] | None] = queue.Queue(max_pending_writes)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -223,7 +240,7 @@ class KVTier:
                 data = get.result()
                 if data is None:
                     break
-                loaded.append(unpack(data, scope, hashes, self.max_age_s))
+                loaded.append(unpack(data, scope, hashes, self._key, self.max_age_s))
                 self.stats.add(bytes_read=len(data))
             except Exception:  # a failing or damaged tier costs a recompute, never a request
                 self.stats.add(faults=1)
@@ -237,7 +254,7 @@ class KVTier:
         while (item := self._writes.get()) is not None:
             scope, hashes, kv = item
             try:
-                data = pack(scope, hashes, kv)
+                data = pack(scope, hashes, kv, self._key)
                 self.backend.put(scope.key(hashes[-1]), data)
                 self.stats.add(bytes_written=len(data), segments_written=1)
             except Exception:

@@ -4,6 +4,7 @@ restart) instead of computing it, with the same tokens as a server without a tie
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,12 +14,14 @@ from pathlib import Path
 import boto3
 import httpx
 import pytest
+import xxhash
 
 from tests.support.aws import isolate_aws
 from tests.support.fault_proxy import FaultProxy
 from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot
 
 SERVE = ("--num-kv-blocks", "64", "--max-model-len", "256", "--kv-tier-segment-blocks", "2")
+KEY = {"WARMSTART_KV_TIER_KEY": "the replicas' shared secret"}  # what signs the segments (an s3 tier needs one)
 TURN1 = [(13 * i + 5) % 1000 for i in range(120)]
 MORE = [(7 * i + 3) % 1000 for i in range(20)]
 
@@ -79,7 +82,7 @@ def test_turn_two_on_a_new_instance_loads_turn_one_from_s3(snap: TinySnapshot, m
     isolate_aws(monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     boto3.client("s3").create_bucket(Bucket="kv-tier-e2e")
-    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    env = {**{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}, **KEY}
     second_turn_on_a_fresh_instance(snap, ("--kv-tier", "s3", "--kv-store", "s3://kv-tier-e2e/tier"), env)
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="kv-tier-e2e")["Contents"]]
     assert keys and all(k.startswith(f"tier/kv/default/{snap.id}/") for k in keys)
@@ -89,7 +92,7 @@ def s3_env(bucket: str, endpoint: str, tmp_path: Path, monkeypatch: pytest.Monke
     isolate_aws(monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     boto3.client("s3").create_bucket(Bucket=bucket)
-    return {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    return {**{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}, **KEY}
 
 
 def test_a_second_replica_s_first_request_behind_a_shared_document_is_a_tier_hit(
@@ -148,11 +151,14 @@ def test_turn_two_after_a_restart_loads_turn_one_from_the_disk(snap: TinySnapsho
     (("--kv-store", "s3://b/p"), "--kv-tier is off"),
     (("--kv-tier", "disk", "--kv-tier-namespace", "a/b"), "--kv-tier-namespace"),
     (("--kv-tier", "disk", "--kv-tier-max-bytes", "0"), "--kv-tier-max-bytes"),
+    (("--kv-tier", "s3", "--kv-store", "s3://b/p"), "set $WARMSTART_KV_TIER_KEY or give --kv-tier-key-file"),
+    (("--kv-tier", "disk", "--kv-tier-key-file", "/no/such/key"), "--kv-tier-key-file /no/such/key: No such file"),
 ])  # fmt: skip
 def test_tier_flags_that_cannot_work_are_refused_before_loading(snap: TinySnapshot, flags: tuple[str, ...],
                                                                 message: str) -> None:  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "WARMSTART_KV_TIER_KEY"}
     proc = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", REF, "--store", str(snap.store), *flags],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
@@ -189,7 +195,7 @@ def test_a_stop_while_s3_does_not_answer_ends_within_the_grace_period(
     hole = Blackhole()
     try:
         isolate_aws(monkeypatch, tmp_path)
-        env = {**{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}, "AWS_ENDPOINT_URL": hole.url}
+        env = {**{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}, "AWS_ENDPOINT_URL": hole.url, **KEY}
         server = serve(snap, "--kv-tier", "s3", "--kv-store", "s3://unreachable/t", "--grace-seconds", "1", env=env)
         for _ in range(3):  # lookups that time out: served without the tier
             assert len(complete(server, TURN1)[0]) == 6
@@ -200,3 +206,36 @@ def test_a_stop_while_s3_does_not_answer_ends_within_the_grace_period(
         assert any(e.get("event") == "stopped" for e in server.events)
     finally:
         hole.close()
+
+
+def test_a_segment_rewritten_by_someone_without_the_key_is_not_served(snap: TinySnapshot, tmp_path: Path) -> None:
+    """Issue 40, 8: rewriting a segment and recomputing its unkeyed checksum changed a fresh server's output. The
+    planted KV is now refused (a fault, a recompute) and the output is the tier-less one."""
+    tier = ("--kv-tier", "disk", "--kv-tier-dir", str(tmp_path / "tier"))
+    plain = serve(snap)
+    try:
+        expected, _ = complete(plain, TURN1 + MORE)
+    finally:
+        plain.stop()
+    first = serve(snap, *tier)
+    try:
+        complete(first, TURN1)
+    finally:
+        assert first.stop() == 0  # the segments are written
+    segments = sorted((tmp_path / "tier").rglob("*.kv"))
+    assert segments and oct((tmp_path / "tier" / ".key").stat().st_mode & 0o777) == "0o600"
+    for path in segments:  # the KV zeroed, and every unkeyed check made to fit (version 1's xxh3 checksum)
+        data = path.read_bytes()
+        header_len = int.from_bytes(data[4:8], "little")
+        header, body = json.loads(data[8 : 8 + header_len]), bytes(len(data) - 8 - header_len)
+        if "checksum" in header:
+            header["checksum"] = xxhash.xxh3_128_hexdigest(body)
+        head = json.dumps(header).encode()
+        path.write_bytes(data[:4] + len(head).to_bytes(4, "little") + head + body)
+    second = serve(snap, *tier)
+    try:
+        got, cached = complete(second, TURN1 + MORE)
+        assert got == expected and cached == 0
+        assert metric(second, "kv_tier_faults_total") >= 1
+    finally:
+        second.stop()

@@ -3,6 +3,8 @@ store backends are tested in tests/snapshot/test_kv_tier_backends.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 import time
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from runtime.engine.block_manager import block_hashes
-from runtime.engine.kv_tier import KVTier, TierCorrupt, TierScope, pack, unpack
+from runtime.engine.kv_tier import MAC_LEN, KVTier, TierCorrupt, TierScope, pack, unpack
 
 SCOPE = TierScope(namespace="default", model="snap1", adapter="", dtype="bfloat16", block_size=4, shape=(2, 1, 8))
 
@@ -37,17 +39,34 @@ def chain(blocks: int, first: int = 0) -> list[int]:
     return block_hashes(list(range(first, first + blocks * SCOPE.block_size)), SCOPE.block_size)
 
 
+KEY = b"a key the instances share, 32 b."
+
+
 def test_a_segment_round_trips_bit_for_bit() -> None:
     hashes, kv = chain(2), segment_kv(2, 0)
-    assert torch.equal(unpack(pack(SCOPE, hashes, kv), SCOPE, hashes), kv)
+    assert torch.equal(unpack(pack(SCOPE, hashes, kv, KEY), SCOPE, hashes, KEY), kv)
 
 
-@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "other chain", "other scope", "garbage", "old"])
+def forge(data: bytes) -> bytes:
+    """What issue 40's attack did to a version-1 segment: new KV in place of the old, and every unkeyed check made
+    to fit (here the MAC is recomputed with a key the forger guesses)."""
+    header_len = int.from_bytes(data[4:8], "little")
+    signed = data[: 8 + header_len] + bytes(len(data) - MAC_LEN - 8 - header_len)  # the KV zeroed
+    return signed + hmac.new(b"a guess at the key, 32 bytes....", signed, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "other chain", "other scope", "garbage", "old",
+                                    "forged", "another key", "unsigned version 1"])
 def test_anything_but_the_segment_asked_for_is_refused(damage: str) -> None:
     hashes, kv = chain(2), segment_kv(2, 0)
-    data = pack(SCOPE, hashes, kv, written_at=time.time() - (100 if damage == "old" else 0))
+    data = pack(SCOPE, hashes, kv, b"another key, 16+" if damage == "another key" else KEY,
+                written_at=time.time() - (100 if damage == "old" else 0))
     scope, asked = SCOPE, hashes
-    if damage == "flip a payload byte":
+    if damage == "forged":
+        data = forge(data)
+    elif damage == "unsigned version 1":
+        data = data[:-MAC_LEN]
+    elif damage == "flip a payload byte":
         data = data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]
     elif damage == "truncate":
         data = data[:-16]
@@ -58,7 +77,7 @@ def test_anything_but_the_segment_asked_for_is_refused(damage: str) -> None:
     elif damage == "garbage":
         data = b"WSKV\xff\xff\xff\xff{"
     with pytest.raises(TierCorrupt):
-        unpack(data, scope, asked, max_age_s=10)
+        unpack(data, scope, asked, KEY, max_age_s=10)
 
 
 def test_scope_separates_tenants_models_adapters_and_layouts() -> None:
@@ -70,7 +89,7 @@ def test_scope_separates_tenants_models_adapters_and_layouts() -> None:
 
 
 def tier(backend: MemoryBackend, **options: object) -> KVTier:
-    return KVTier(backend, SCOPE, segment_blocks=2, **options)  # type: ignore[arg-type]
+    return KVTier(backend, SCOPE, segment_blocks=2, key=KEY, **options)  # type: ignore[arg-type]
 
 
 def test_written_segments_load_back_from_the_first_asked_until_the_first_missing() -> None:

@@ -15,6 +15,8 @@ from runtime import EngineOptions, LLMEngine, SamplingParams
 from runtime.engine.kv_tier import KVTier, TierScope
 from tests.support.model_configs import FAMILIES
 
+KEY = b"a key the instances share, 32 b."
+
 ModelDir = Callable[[str], pathlib.Path]
 BLOCK = 4
 SEGMENT = 2  # blocks
@@ -36,7 +38,7 @@ def engine(model_dir: pathlib.Path, backend: MemoryBackend | None, timeout_s: fl
     if backend is not None:
         c = e.config
         scope = TierScope("default", "snap", "", "float32", BLOCK, (c.num_layers, c.num_kv_heads, c.head_dim))
-        e.attach_kv_tier(KVTier(backend, scope, segment_blocks=SEGMENT), lookup_timeout_s=timeout_s)
+        e.attach_kv_tier(KVTier(backend, scope, segment_blocks=SEGMENT, key=KEY), lookup_timeout_s=timeout_s)
     return e
 
 
@@ -124,7 +126,7 @@ def test_the_tier_refuses_an_engine_it_cannot_serve(tiny_model_dir: ModelDir) ->
     e = LLMEngine.from_hf(tiny_model_dir("llama"), EngineOptions(dtype="float32", enable_prefix_caching=False))
     scope = TierScope("default", "snap", "", "float32", 16, (2, 2, 16))
     with pytest.raises(ValueError, match="needs prefix caching"):
-        e.attach_kv_tier(KVTier(MemoryBackend(), scope))
+        e.attach_kv_tier(KVTier(MemoryBackend(), scope, key=KEY))
 
 
 def test_lora_requests_are_left_out_of_the_tier(tiny_model_dir: ModelDir, tmp_path: pathlib.Path) -> None:
