@@ -11,7 +11,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.serving import AUTH, SYSTEM_TEXT, ServerProcess, TinySnapshot, build_tiny_snapshot, error_of
+from tests.support.serving import (
+    AUTH,
+    SYSTEM_TEXT,
+    ServerProcess,
+    TinySnapshot,
+    build_tiny_snapshot,
+    error_of,
+    ready_side_by_side,
+)
 
 TENANT = "X-Tenant"
 
@@ -20,13 +28,8 @@ TENANT = "X-Tenant"
 def servers(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:  # type: ignore[no-untyped-def]
     snap: TinySnapshot = build_tiny_snapshot(tiny_model_dir("llama"), tmp_path_factory.mktemp("isolation"))
     started = {"shared": ServerProcess(snap), "tenants": ServerProcess(snap, "--tenant-header", TENANT)}
-    try:
-        for server in started.values():
-            server.wait_for("ready")
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    with ready_side_by_side(started) as servers:
+        yield servers
 
 
 def secret_prompt() -> list[dict[str, str]]:  # long enough for several whole KV blocks, new each test

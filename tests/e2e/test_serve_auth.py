@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from handlers.cli import build_parser
-from tests.support.serving import KEY, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot
+from tests.support.serving import KEY, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_side_by_side
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,8 @@ WAYS = {  # how the key is given -> (serve's extra arguments, its environment, t
 @pytest.fixture(scope="module")
 def servers(snap: TinySnapshot) -> Iterator[dict[str, ServerProcess]]:
     started = {way: ServerProcess(snap, *args, env=env) for way, (args, env, _) in WAYS.items()}  # side by side
-    try:
-        for server in started.values():
-            server.wait_for("ready")
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    with ready_side_by_side(started) as servers:
+        yield servers
 
 
 @pytest.mark.parametrize("way", list(WAYS))

@@ -15,7 +15,16 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.serving import AUTH, REF, REPO, SYSTEM_TEXT, ServerProcess, TinySnapshot, build_tiny_snapshot
+from tests.support.serving import (
+    AUTH,
+    REF,
+    REPO,
+    SYSTEM_TEXT,
+    ServerProcess,
+    TinySnapshot,
+    build_tiny_snapshot,
+    ready_side_by_side,
+)
 
 SERVE_ARGS = ("--num-kv-blocks", "64", "--max-model-len", "256")
 TRITON = {"WARMSTART_KERNELS": "triton", "TRITON_INTERPRET": "1"}
@@ -32,13 +41,8 @@ def servers(snap: TinySnapshot) -> Iterator[dict[str, ServerProcess]]:
     env = {k: v for k, v in os.environ.items() if k not in TRITON}
     started = {"torch": ServerProcess(snap, "--device", "auto", *SERVE_ARGS, env=env),
                "triton": ServerProcess(snap, "--device", "cpu", *SERVE_ARGS, env=TRITON)}  # fmt: skip
-    try:
-        for server in started.values():
-            server.wait_for("ready")
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    with ready_side_by_side(started) as servers:
+        yield servers
 
 
 REQUESTS: list[tuple[str, dict[str, Any]]] = [

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,3 +114,15 @@ class ServerProcess:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+
+
+@contextmanager
+def ready_side_by_side(started: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    """Servers started at once (each imports torch meanwhile), once all are ready; each stopped at the end."""
+    try:
+        for server in started.values():
+            server.wait_for("ready")
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
