@@ -80,9 +80,9 @@ async def replay(base: str, requests: list[Request], concurrency: int, stream: b
 
 
 def run_server(cmd: list[str], env: dict[str, str], port: int, requests: list[Request], concurrency: int,
-               stream: bool) -> dict:
+               stream: bool, cwd: Path = REPO) -> dict:
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
