@@ -180,11 +180,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, step: LoraStep, layer: int, modul
         b = b[step.tile_slots, :r]  # [tiles, r, out]
     tiles = x.index_select(0, step.pad_source).view(step.num_tiles, step.tile_size, x.shape[-1])
     shrunk = torch.bmm(tiles, a)
-    if step.padding is not None:  # padding places add exactly zero (to rows[0]): no gather of the products
-        shrunk.masked_fill_(step.padding, 0)
     parts, column = [], 0
     for s, out in enumerate(step.slots.out_slices[module]):  # the slices (1 to 3), not the requests
         parts.append(torch.bmm(shrunk[..., s * r : (s + 1) * r], b[..., column : column + out]))
         column += out
     expanded = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    if step.padding is not None:
+        # padding places add exactly zero (to rows[0]: no gather of the products); zeroed at the end, since a zero
+        # times a NaN or infinite weight of their tile's adapter is NaN, which would reach another request's row
+        expanded.masked_fill_(step.padding, 0)
     return y.index_add_(0, step.pad_source, expanded.view(-1, y.shape[-1]))

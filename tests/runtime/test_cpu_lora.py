@@ -318,3 +318,26 @@ def test_engine_mixed_batch_on_the_kernel_close_to_the_pytorch_path(tiny_model_d
     base = llm.generate(prompts, params)
     assert_close_in_bf16(ours, reference, logprob_tol=0.1)
     assert any(a.token_ids != b.token_ids for a, b in zip(reference, base, strict=True))  # the adapters change tokens
+
+
+@pytest.mark.parametrize("layout", ["tiles", "one tile a slot"])
+@pytest.mark.parametrize("nan_slot_busy", [False, True])
+def test_a_nan_adapter_cannot_reach_another_requests_row(layout: str, nan_slot_busy: bool) -> None:
+    """Issue 40, 4: padding places (zeros) times a NaN B added NaN into rows[0], another request's row; also from an
+    idle NaN adapter's slot under one tile a slot. Adapters are refused NaN at load (runtime/engine/lora.py); the
+    batched add must not mix rows even so: on the PyTorch path and, where it runs, the kernel."""
+    slots = filled_slots()
+    slots.b[0]["o_proj"][1, 0, 0] = float("nan")
+    busy = [0, 0, 2, 3, 3, 3] if layout == "tiles" else [0, 2, 3, 0, 2, 3]
+    row_slots = busy + ([1] if nan_slot_busy else []) + [-1]
+    step = lora_step(row_slots, slots, CPU)
+    assert step is not None and step.by_slot == (layout == "one tile a slot"), step.by_slot
+    fan_in, outs = SHAPES["o_proj"]
+    x, y = bf16(len(row_slots), fan_in, seed=5), bf16(len(row_slots), sum(outs), seed=6)
+    others = [row for row, slot in enumerate(row_slots) if slot != 1]
+    paths = {"pytorch": torch_lora.add_lora}
+    if cpu_lora.cpu_supported():
+        paths["kernel"] = cpu_lora.add_lora
+    for name, add in paths.items():
+        out = add(y.clone(), x, step, 0, "o_proj")
+        assert bool(torch.isfinite(out[others]).all()), (name, row_slots)

@@ -175,3 +175,20 @@ def test_engine_on_the_kernels_matches_peft(tiny_model_dir, tmp_path) -> None:  
             assert_matches_reference(model_dir, prompt, out, 4)
         else:
             assert_matches_peft(model_dir, loras[adapter], prompt, out)
+
+
+@pytest.mark.parametrize("row_slots", [[0, 0, 2, 3, 3, 3, 1, -1], [0, 2, 3, 0, 2, 3, -1]],
+                         ids=["tiles, NaN slot busy", "one tile a slot, NaN slot idle"])  # fmt: skip
+def test_a_nan_adapter_cannot_reach_another_requests_row(row_slots: list[int]) -> None:
+    """Issue 40, 4, on the Triton kernel (the CPU paths: test_cpu_lora.py)."""
+    slots = filled_slots(torch.float32, seed=4)
+    slots.b[0]["qkv"][1, 0, 0] = float("nan")
+    step = lora_step(row_slots, slots, torch.device(DEVICE))
+    assert step is not None
+    fan_in, outs = SHAPES["qkv"]
+    x = randn(len(row_slots), fan_in, dtype=torch.float32, seed=5)
+    y = randn(len(row_slots), sum(outs), dtype=torch.float32, seed=6)
+    others = [row for row, slot in enumerate(row_slots) if slot != 1]
+    for path in (add_lora_reference, add_lora):
+        out = path(y.clone(), x, step, 0, "qkv")
+        assert bool(torch.isfinite(out[others]).all()), path.__module__
