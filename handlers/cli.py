@@ -18,8 +18,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
 
+def _version() -> str:
+    # the installed distribution's, without importing the runtime (torch)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("warmstart")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="warmstart", description="Cold-start-optimized LLM runtime.")
+    parser.add_argument("--version", action="version", version=f"warmstart {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_command(sub)
     snapshot_commands.add_commands(sub)

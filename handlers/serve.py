@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from handlers import kv_tier_options
+from handlers import kv_tier_options, vllm_flags
 from handlers.coldstart import Timeline, print_json_line
 from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
 from handlers.reasoning import PARSERS as REASONING_PARSERS
@@ -30,7 +30,7 @@ from handlers.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 def add_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve a snapshot over an OpenAI-compatible HTTP API")
-    serve.add_argument("ref", help="snapshot id, unique id prefix or ref name")
+    serve.add_argument("ref", nargs="?", help="snapshot id, unique id prefix or ref name (or --model REF)")
     serve.add_argument("--store", help="a directory, file://PATH or s3://BUCKET/PREFIX (default $WARMSTART_STORE)")
     serve.add_argument("--cache", type=Path, help="local blob cache (default $WARMSTART_CACHE)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -114,6 +114,7 @@ def add_command(sub: Any) -> None:
                            "prompts are cached in a chain of their own, as with a cache_salt per tenant, so no tenant "
                            "sees another's cache hits (nor reuses the snapshot's prefixes: each tenant computes them "
                            "once). By default every request may reuse every other's cached prompt")
+    vllm_flags.add_serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -160,6 +161,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
+    vllm_flags.snapshot_ref(args)
     timeline = Timeline(emit=print_json_line)
     for flag, value in (("--grace-seconds", args.grace_seconds), ("--keep-alive-seconds", args.keep_alive_seconds)):
         if not value >= 0:  # NaN too
