@@ -148,6 +148,10 @@ def _cache(args: argparse.Namespace) -> Any:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    if not args.model_dir.is_dir():  # before the imports below, which take torch's seconds
+        raise CliError(f"{args.model_dir} is not a directory; give an HF model directory (config.json, "
+                       "*.safetensors, tokenizer.json); for a hub id, download it first (`huggingface-cli download "
+                       "ID --local-dir DIR`), or `warmstart prepare-model smollm2` for the demo's model")
     with user_errors():
         from snapshot.adapters import AdapterSpec
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot

@@ -52,3 +52,4 @@ def test_version() -> None:
     done = subprocess.run([sys.executable, "-m", "handlers.cli", "--version"], capture_output=True, text=True,
                           cwd=REPO, timeout=60)  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, f"warmstart {version('warmstart')}")
+
