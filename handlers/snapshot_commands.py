@@ -148,19 +148,25 @@ def _cache(args: argparse.Namespace) -> Any:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    if not args.model_dir.is_dir():  # before the imports below, which take torch's seconds
+    # What the arguments say is checked before the imports below, which take torch's seconds.
+    from snapshot.errors import StoreError
+    from snapshot.store import check_new_ref_name
+
+    try:
+        for name in args.tag:
+            check_new_ref_name(name)  # before the build, not after it
+    except StoreError as e:
+        raise CliError(str(e)) from None
+    if not args.model_dir.is_dir():
         raise CliError(f"{args.model_dir} is not a directory; give an HF model directory (config.json, "
                        "*.safetensors, tokenizer.json); for a hub id, download it first (`huggingface-cli download "
                        "ID --local-dir DIR`), or `warmstart prepare-model smollm2` for the demo's model")
     with user_errors():
         from snapshot.adapters import AdapterSpec
         from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.store import check_new_ref_name
         from snapshot.stores import open_store
         from snapshot.transfer import push_snapshot
 
-        for name in args.tag:
-            check_new_ref_name(name)  # before the build, not after it
         try:
             merge, loras = lora_options(args.lora, args.lora_merge)
             prefixes = [PrefixSpec.parse(p, "text") for p in args.prefix]
