@@ -25,6 +25,11 @@ KEY_FILE, KEY_BYTES = ".key", 32
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
+def _is_segment(path: Path) -> bool:
+    # a write cut short leaves a hidden temporary, never counted
+    return path.name.endswith(SEGMENT_SUFFIX) and not path.name.startswith(".")
+
+
 class DiskBackend:
     """Segments as files under ``root``, at most ``max_bytes`` of them: the least recently used go first.
 
@@ -45,21 +50,22 @@ class DiskBackend:
         with os_errors(f"preparing the KV tier directory {self.root}"):
             self.root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
             self._make_private(self.root, PRIVATE_DIR)
-            for folder in (p for p in self.root.rglob("*") if p.is_dir() and not p.is_symlink()):
+            entries = list(self.root.rglob("*"))  # one walk for the permissions and the index
+            for folder in (p for p in entries if p.is_dir() and not p.is_symlink()):
                 self._make_private(folder, PRIVATE_DIR)
-            for path in self._segments():
+            segments = [p for p in entries if _is_segment(p)]
+            for path in segments:
                 self._make_private(path, PRIVATE_FILE)
-            self._scan()
+            self._scan(segments)
         self._evict_over(self.max_bytes)
 
-    def _segments(self) -> list[Path]:
-        # a write cut short leaves a hidden temporary, never counted
-        return [p for p in self.root.rglob(f"*{SEGMENT_SUFFIX}") if not p.name.startswith(".")]
-
-    def _scan(self) -> None:
-        """The index from what the directory holds now (other instances' segments included)."""
+    def _scan(self, segments: list[Path] | None = None) -> None:
+        """The index from what the directory holds now (other instances' segments included); ``segments``: a walk
+        of it just made."""
         sizes, used = {}, {}
-        for path in self._segments():
+        walked = segments if segments is not None else [p for p in self.root.rglob(f"*{SEGMENT_SUFFIX}")
+                                                        if _is_segment(p)]  # fmt: skip
+        for path in walked:
             with contextlib.suppress(FileNotFoundError):  # evicted by another instance meanwhile
                 st = path.stat()
                 sizes[path], used[path] = st.st_size, st.st_mtime

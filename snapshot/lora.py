@@ -16,6 +16,7 @@ sees an adapter whose blobs are not all there.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -153,17 +154,10 @@ def check_record(entry: Any, blob_size: int, what: str) -> None:
         if not isinstance(shape, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                                   for v in ints):
             raise fail(f"gives tensor {str(name)[:80]!r} an offset, size or shape that is not whole numbers")
-        if nbytes != STORED_DTYPES[dtype] * _product(shape):
+        if nbytes != STORED_DTYPES[dtype] * math.prod(shape):
             raise fail(f"gives tensor {str(name)[:80]!r} {nbytes} bytes, which its shape {shape} of {dtype} is not")
         if offset + nbytes > blob_size:
             raise fail(f"places tensor {str(name)[:80]!r} past the end of its {blob_size}-byte blob")
-
-
-def _product(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _view(raw: torch.Tensor, place: dict[str, Any]) -> torch.Tensor:
