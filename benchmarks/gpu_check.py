@@ -62,8 +62,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
-from runtime.engine.engine import EngineOptions, LLMEngine  # noqa: E402
+from runtime.engine.engine import LLMEngine  # noqa: E402
 from runtime.engine.model_runner import GRAPHS_ENV  # noqa: E402
+from runtime.engine.options import EngineOptions  # noqa: E402
 from runtime.models.config import ModelConfig  # noqa: E402
 from runtime.models.weights import ModelWeights, load_weights  # noqa: E402
 from runtime.random_model import make_random_model  # noqa: E402

@@ -101,8 +101,9 @@ def engine(model: Path, max_seqs: int, rank: int, loras: dict[str, Path] | None 
     from safetensors.torch import load_file
 
     from runtime import LLM
-    from runtime.engine.engine import EngineOptions, LLMEngine
+    from runtime.engine.engine import LLMEngine
     from runtime.engine.lora import lora_from_peft
+    from runtime.engine.options import EngineOptions
 
     options = EngineOptions(dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=max_seqs, enable_prefix_caching=False,
                             max_loras=NUM_ADAPTERS, max_lora_rank=rank)
@@ -225,7 +226,7 @@ def main() -> None:
             probe = [rng.randrange(16, vocab - 16) for _ in range(args.prompt_tokens)]
             single["base"].append(single_ttft(lora_llm, probe, None))
             single["adapter"].append(single_ttft(lora_llm, probe, names[i % NUM_ADAPTERS]))
-        stats = lora_llm.engine.lora_stats()
+        stats = lora_llm.engine.loras.stats
         del lora_llm, merged_llm
         threads = args.threads or torch.get_num_threads()
         vllm = (run_vllm(model, paths, prompts, args.max_tokens, args.rank, args.rounds, threads, tmp)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.models.model import Model
 from runtime.sampling_params import SamplingParams

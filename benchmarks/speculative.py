@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
-from runtime.engine.engine import EngineOptions, LLMEngine  # noqa: E402
+from runtime.engine.engine import LLMEngine  # noqa: E402
+from runtime.engine.options import EngineOptions  # noqa: E402
 from runtime.models.config import ModelConfig  # noqa: E402
 from runtime.models.weights import LayerWeights, ModelWeights, load_weights  # noqa: E402
 
@@ -168,7 +169,7 @@ class ProposeTimer:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds = 0.0
-        proposer = engine.proposer
+        proposer = engine.speculation.proposer
         assert proposer is not None
         inner = proposer.propose
 

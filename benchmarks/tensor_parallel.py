@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from runtime.engine.engine import EngineOptions, LLMEngine
+    from runtime.engine.engine import LLMEngine
+    from runtime.engine.options import EngineOptions
     from runtime.models.config import ModelConfig
     from runtime.models.weights import load_weights
     from runtime.sampling_params import SamplingParams

@@ -101,6 +101,6 @@ async def on_engine(llm: AsyncLLM, fn: Callable[[], Any]) -> Any:
 async def lora_stats(llm: AsyncLLM) -> LoraStats | None:
     """A copy of the engine's LoRA counters, taken between steps; None when it never had an adapter."""
     engine = llm.engine
-    stats = await on_engine(llm, lambda: dataclasses.replace(engine.lora_stats()) if engine.list_loras() or
-                            engine.lora_stats().loads else None)
+    stats = await on_engine(llm, lambda: dataclasses.replace(engine.loras.stats) if engine.loras.names() or
+                            engine.loras.stats.loads else None)
     return stats  # type: ignore[no-any-return]

@@ -103,8 +103,8 @@ class ServeState:
     def shutdown(self) -> None:
         if self.service is not None:
             self.service.llm.shutdown()
-            if self.service.llm.engine.tier_link is not None:
-                self.service.llm.engine.tier_link.tier.close()  # the queued segments are written
+            if self.service.llm.engine.admission.tier_link is not None:
+                self.service.llm.engine.admission.tier_link.tier.close()  # the queued segments are written
         if self.group is not None:
             if self.status == "ready":  # after a failure the followers are gone or going, on their own
                 self.group.stop_followers()
@@ -168,8 +168,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
             adapters={**{name: a.num_tokens for name, a in engine.adapters.items()},
                       **{lora["name"]: 0 for lora in manifest.get("loras", [])}},
-            select_adapter=engine.select_adapter if summary["adapter_selector"] else None,
-            kv_room=engine.kv_room,
+            select_adapter=engine.inputs.select_adapter if summary["adapter_selector"] else None,
+            kv_room=engine.inputs.kv_room,
             sampling_defaults=dict(engine.generation_defaults.sampling),
             reasoning_parser=state.reasoning_parser,
             tool_call_parser=state.tool_call_parser,

@@ -1,7 +1,8 @@
 """warmstart's engine: paged KV cache, continuous batching, Llama-family decoders."""
 
 from runtime.async_engine import AsyncLLM, EngineDeadError
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.llm import LLM
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.sampling_params import SamplingParams

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.engine.engine import EngineOptions, LLMEngine, Prompt
+from runtime.engine.engine import LLMEngine
+from runtime.engine.input_processor import Prompt
+from runtime.engine.options import EngineOptions
 from runtime.outputs import EngineStats, RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -62,7 +64,7 @@ class AsyncLLM:
             # Compiled here, off the step loop (the first one also builds the grammar engine's view of the
             # vocabulary: 0.7 s for 49k tokens); the engine's own compile then finds it in the compiler's cache.
             spec = params.structured_outputs
-            await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(spec))
+            await asyncio.to_thread(lambda: self.engine.inputs.grammar_compiler().compile(spec))
         rid = await self._call(add)
         finished = False
         unfinished = params.n  # choices: each output says its index

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from runtime.engine.engine import EngineOptions, LLMEngine, Prompt
+from runtime.engine.engine import LLMEngine
+from runtime.engine.input_processor import Prompt
+from runtime.engine.options import EngineOptions
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -90,7 +92,7 @@ class LLM:
         requests = list(zip(prompt_list, param_list, adapters, strict=True))
         for i, (prompt, p, a) in enumerate(requests):
             try:
-                self.engine.make_sequence(prompt, p, f"__check_{i}", a)
+                self.engine.inputs.make_sequence(prompt, p, f"__check_{i}", a)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         ids = [self.engine.add_request(prompt, p, adapter=a) for prompt, p, a in requests]

@@ -128,7 +128,7 @@ def compile_prompt_adapter(adapter: PromptAdapter, engine: LLMEngine) -> torch.T
     c = engine.config
     dtype = engine.runner.model.dtype
     if adapter.kind != "PREFIX_TUNING":
-        return engine.virtual_tokens_kv(adapter.embeddings.to(dtype))
+        return engine.prefixes.virtual_tokens_kv(adapter.embeddings.to(dtype))
     n = adapter.num_tokens
     kv = adapter.embeddings.to(dtype).view(n, c.num_layers, 2, c.num_kv_heads, c.head_dim).permute(1, 2, 3, 0, 4)
     return to_blocks(kv, engine.options.block_size)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from runtime.engine.dtype_choice import AUTO
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.engine.tensor_parallel import TensorParallelError, check_shardable, shard_kv
 from runtime.models.config import ModelConfig
 from runtime.models.model import Model

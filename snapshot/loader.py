@@ -24,7 +24,8 @@ import runtime
 from runtime import LLM
 from runtime.engine.adapters import AdapterSelector
 from runtime.engine.device import GIB, resolve_device
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.generation_config import GenerationDefaults
 from runtime.kernels import carry_kernels_under
 from runtime.models.config import ModelConfig
@@ -230,13 +231,13 @@ def engine_from_manifest(
     draft_kv = m["draft"]["prefix_kv"] if draft is not None else [None] * len(m["prefixes"])
     for p, d in zip(m["prefixes"], draft_kv, strict=True):
         if p["blob"] is not None:
-            engine.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p),
+            engine.prefixes.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p),
                                tensor_view(mapped[d["blob"]], d) if d is not None else None)
         if prefixes_out is not None:
             prefixes_out.append({"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
                                     "cached_tokens": len(p["block_hashes"]) * options.block_size})
     for a in m.get("adapters", []):
-        engine.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
+        engine.prefixes.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
     for lora in m.get("loras", []):  # paged in by the engine when a request first needs one (snapshot/lora.py)
         engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]], pull_lora),
                         int(lora["rank"]))

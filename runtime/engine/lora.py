@@ -13,12 +13,12 @@ The engine's API (runtime/engine/engine.py, LLMEngine):
 - ``add_lora(name, load, rank)`` registers an adapter; ``load()`` returns its LoraWeights and is called
   when a request first needs it (at admission, on the step loop) and again whenever it is paged back in.
   ``rank`` (its largest) is checked against ``EngineOptions.max_lora_rank`` at once.
-- ``remove_lora(name)`` forgets it (ValueError while a request uses it); ``list_loras()`` lists the names.
+- ``remove_lora(name)`` forgets it (ValueError while a request uses it); ``loras.names()`` lists the names.
 - Requests pick one with ``add_request(..., adapter=name)``, as compiled adapters are picked.
 - ``EngineOptions.max_loras`` adapters are resident at once (stacked in device slots); one beyond that is
   paged in at admission over the least recently used one that no running request uses; a request whose
   adapter cannot get a slot yet waits (others behind it go on).
-- ``lora_stats()`` (LoraStats): load seconds (sum and count), hits (already resident at admission) and misses
+- ``loras.stats`` (LoraStats): load seconds (sum and count), hits (already resident at admission) and misses
   (paged in), for /metrics; load errors: a ``load()`` that raises aborts the requests waiting for that adapter
   (finish_reason "abort", ``last_load_error`` says why), never the step loop.
 - Prefix caching: a LoRA request's block hashes chain from its adapter's own root (fresh per ``add_lora``), so

@@ -19,8 +19,11 @@ import torch
 
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.model_runner import Chunk, ModelRunner
+from runtime.engine.options import EngineOptions
 from runtime.engine.sampler import Sampler
+from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import Sequence
+from runtime.models.config import ModelConfig
 from runtime.models.model import Model
 
 
@@ -174,3 +177,87 @@ class DraftProposer:
         q = self.sampler.probs(logits[None], [seq.params])
         q = q / q.sum(dim=-1, keepdim=True)
         return int(self.sampler.draw(q, [seq])[0]), q[0]
+
+
+class Speculation:
+    """The engine's use of a proposer: how many slots the scheduler keeps for a decoding sequence's proposals,
+    filling them before a step, and after it the verification's bookkeeping and the rollback of rejected slots."""
+
+    def __init__(self, proposer: Proposer, blocks: BlockManager, k: int, adaptive: bool, max_model_len: int) -> None:
+        """``k``: proposals verified per sequence and step, at most; ``adaptive``: each sequence's k follows its
+        acceptance (adapt_k)."""
+        self.proposer = proposer
+        self.blocks = blocks
+        self.k = k
+        self.adaptive = adaptive
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    @property
+    def drafts_with_a_model(self) -> bool:
+        return isinstance(self.proposer, DraftProposer)
+
+    def lookahead(self, seq: Sequence) -> int:
+        # The draft model holds no adapter's KV (adapters are compiled for the target), so requests behind an
+        # adapter are verified only by prompt lookup.
+        if seq.adapter is not None and self.drafts_with_a_model:
+            return 0
+        if seq.grammar is not None:  # proposals are not checked against its grammar: it never speculates
+            return 0
+        return lookahead(seq, self.k, self.max_model_len)
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Fill the speculative slots the scheduler gave decoding sequences; shrink them to the proposals."""
+        seqs, limits, rows = [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            room = n - (seq.num_tokens - seq.num_computed_tokens)
+            if room > 0:
+                seqs.append(seq)
+                limits.append(room)
+                rows.append(i)
+        if not seqs:
+            return
+        self.proposer.propose(seqs, limits)
+        for seq, i in zip(seqs, rows, strict=True):
+            batch.num_tokens[i] = 1 + len(seq.spec_token_ids)
+
+    def settle(self, seq: Sequence, num_tokens: int, num_kept: int) -> None:
+        """Count the verification, then roll back: the sequence's KV is good up to its last accepted token
+        (a finishing sequence keeps fewer); later slots' blocks go back to the pool."""
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += len(seq.spec_token_ids)
+        self.stats.num_accepted_tokens += num_tokens - 1
+        self.stats.num_emitted_tokens += num_tokens
+        if self.adaptive:
+            adapt_k(seq, len(seq.spec_token_ids), num_tokens - 1, self.k)
+        seq.num_computed_tokens += num_kept
+        seq.spec_token_ids = []
+        seq.spec_probs = None
+        self.blocks.commit(seq)
+        self.blocks.trim(seq)
+        self.proposer.verified(seq)
+
+
+def speculation_for(
+    o: EngineOptions, draft: Model | None, blocks: BlockManager, sampler: Sampler, max_model_len: int
+) -> Speculation | None:
+    """The engine's speculation as its options ask, or None when they ask for none."""
+    proposer: Proposer
+    if o.speculative is None:
+        return None
+    if o.speculative == "ngram":
+        proposer = NgramProposer()
+    elif draft is None:
+        raise ValueError("speculative='draft' needs a draft model (build the snapshot with --draft DIR)")
+    else:
+        proposer = DraftProposer(draft, blocks, sampler)
+    return Speculation(proposer, blocks, o.num_speculative_tokens, o.adaptive_speculation, max_model_len)
+
+
+def check_draft_compatible(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft proposes token ids the target verifies: both must share one vocabulary."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}; "
+            "a draft model must use the target's tokenizer and vocabulary"
+        )

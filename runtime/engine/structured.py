@@ -5,7 +5,7 @@ about 15 ms and reads the vocabulary straight from tokenizers' JSON, where xgram
 transformers, which runtime/ never does (see docs/BENCHMARKS.md). It is imported here only, and only when the
 first constrained request arrives (``_llguidance``), so an unconstrained server never pays for it.
 
-Each request's matcher is advanced with every token the engine accepts (LLMEngine._emit); before a step samples,
+Each request's matcher is advanced with every token the engine accepts (OutputProcessor.append); before a step samples,
 ``apply_grammar_masks`` sets to -inf every token its grammar forbids on that request's row only, so constrained
 and free requests share every batch. The model's EOS tokens are the grammar's stop tokens: the mask allows them
 only where the grammar is complete. Compiled grammars (pristine matchers) are kept by the hash of what was asked

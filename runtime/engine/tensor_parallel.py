@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from runtime.engine.device import check_device_name, resolve_device
-from runtime.engine.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
+from runtime.engine.engine import LLMEngine
+from runtime.engine.kv_sizing import kv_blocks_for_memory
 from runtime.engine.model_runner import ModelRunner, StepInputs
+from runtime.engine.options import EngineOptions
 from runtime.layers.attention import AttentionGroup, AttentionMetadata
 from runtime.models.config import ModelConfig
 from runtime.models.weights import LayerWeights, ModelWeights

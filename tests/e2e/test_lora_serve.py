@@ -100,7 +100,7 @@ def test_load_and_unload_an_adapter_from_the_store_without_a_restart(
     snap = built[0]
     cache = BlobCache(tmp_path / "cache")
     entry, size = fetch_lora(open_store(str(snap.store)), cache, snap.id, "math")
-    if "math" not in reference.engine.list_loras():
+    if "math" not in reference.engine.loras.names():
         reference.engine.add_lora("math", lora_loader(entry, cache, size), entry["rank"])
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     want, base = reference.generate([PROMPTS[0]] * 2, params, adapter=["math", None])

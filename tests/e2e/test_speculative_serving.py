@@ -96,7 +96,7 @@ def test_draft_prefix_kv_is_loaded_and_serving_matches_plain_decoding(snap: dict
     store, cache = str(snap["root"] / "store"), snap["root"] / "cache"
     plain = load(REF, store=store, cache=cache, num_kv_blocks=64)
     spec = load(REF, store=store, cache=cache, num_kv_blocks=64, speculative="draft", num_speculative_tokens=3)
-    proposer = spec.engine.proposer
+    proposer = spec.engine.speculation.proposer
     assert isinstance(proposer, DraftProposer)
     assert len(proposer.valid) == sum(len(p["block_hashes"]) for p in snap["manifest"]["prefixes"])
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.sampling_params import SamplingParams
 from snapshot.build import BuildOptions, build_snapshot
 from snapshot.cache import BlobCache

@@ -267,7 +267,7 @@ def test_generate_with_one_bad_prompt_runs_nothing(llm: LLM, expected_tokens: li
         llm.generate([*valid_prompts(), [VOCAB]], GREEDY)
     after = llm.engine.stats()
     assert (after.prompt_tokens, after.generation_tokens) == (before.prompt_tokens, before.generation_tokens)
-    assert llm.engine.requests == {}
+    assert llm.engine.outputs.requests == {}
     assert_undisturbed(llm, expected_tokens)
 
 

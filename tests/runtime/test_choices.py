@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -59,7 +60,7 @@ def test_choices_share_the_prompts_full_blocks_and_copy_the_partial_one(llama_di
     e = engine(llama_dir)
     e.add_request(PROMPT, params(7, n=3), "r")
     e.step()  # the prompt, and each choice's first token
-    seqs = [e.requests[rid][0] for rid in ("r", "r#1", "r#2")]
+    seqs = [e.outputs.requests[rid][0] for rid in ("r", "r#1", "r#2")]
     tables = [s.block_table for s in seqs]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]
     assert all(e.blocks.ref_counts[b] == 3 for b in tables[0][:2])
@@ -86,7 +87,7 @@ def test_abort_ends_every_choice_forked_or_not(llama_dir: pathlib.Path) -> None:
     e.add_request(PROMPT, params(1, n=3), "running")
     e.step()
     e.abort("running")
-    assert not e.has_unfinished() and not e.requests
+    assert not e.has_unfinished() and not e.outputs.requests
     assert e.blocks.num_used_blocks == 0
 
 

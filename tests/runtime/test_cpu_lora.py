@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from runtime import LLM, SamplingParams
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
 from runtime.engine.lora import lora_from_peft
+from runtime.engine.options import EngineOptions
 from runtime.kernels import cpu_lora, isa
 from runtime.layers import lora as torch_lora
 from runtime.layers.lora import LoraSlots, LoraStep, lora_step

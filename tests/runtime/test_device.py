@@ -16,7 +16,8 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.engine.device import GIB, DeviceError, resolve_device
-from runtime.engine.engine import EngineOptions, activation_reserve, kv_block_bytes, kv_blocks_for_memory
+from runtime.engine.kv_sizing import activation_reserve, kv_block_bytes, kv_blocks_for_memory
+from runtime.engine.options import EngineOptions
 from runtime.models.config import ModelConfig
 from runtime.models.weights import load_weights, weights_to
 from runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight, from_tensors

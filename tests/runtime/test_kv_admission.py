@@ -14,9 +14,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import runtime.engine.engine as engine_module
+import runtime.engine.kv_sizing as kv_sizing
 from runtime.engine.block_manager import block_hashes
-from runtime.engine.engine import EngineOptions, LLMEngine, kv_blocks_for_memory
+from runtime.engine.engine import LLMEngine
+from runtime.engine.kv_sizing import kv_blocks_for_memory
+from runtime.engine.options import EngineOptions
 from runtime.models.config import ModelConfig
 from runtime.models.weights import ModelWeights, load_weights
 from runtime.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
@@ -46,14 +48,14 @@ def pin_prefix(engine: LLMEngine, token_ids: list[int]) -> int:
     c, bs = engine.config, engine.blocks.block_size
     hashes = block_hashes(token_ids, bs)
     kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, len(hashes), bs, c.head_dim)
-    engine.load_prefix(token_ids, hashes, kv)
+    engine.prefixes.load_prefix(token_ids, hashes, kv)
     return len(hashes)
 
 
 def pin_adapter(engine: LLMEngine, name: str, num_tokens: int) -> int:
     c, bs = engine.config, engine.blocks.block_size
     blocks = -(-num_tokens // bs)
-    engine.load_adapter(name, "PROMPT_TUNING", num_tokens,
+    engine.prefixes.load_adapter(name, "PROMPT_TUNING", num_tokens,
                         torch.zeros(c.num_layers, 2, c.num_kv_heads, blocks, bs, c.head_dim))
     return blocks
 
@@ -100,7 +102,7 @@ def test_pool_too_small_for_the_pinned_blocks_says_which_value_works(
 ) -> None:
     with pytest.raises(ValueError, match=r"pin 33 KV blocks.*--num-kv-blocks\) to at least 65 \(33 pinned plus 32"):
         make_engine(models["llama"], pinned_blocks=33, num_kv_blocks=33, max_model_len=512)
-    monkeypatch.setattr(engine_module, "_available_memory", lambda: 1 << 16)  # room for a handful of blocks
+    monkeypatch.setattr(kv_sizing, "available_memory", lambda: 1 << 16)  # room for a handful of blocks
     with pytest.raises(ValueError, match=r"from available memory.*kv_cache_memory_fraction.*--num-kv-blocks\) to 65"):
         make_engine(models["llama"], pinned_blocks=33, max_model_len=512)
 

@@ -63,8 +63,8 @@ def test_a_fresh_engine_continues_a_conversation_from_the_tier_exactly(family: s
     backend = MemoryBackend()
     writer = engine(model_dir, backend)
     reply, _ = run(writer, first)
-    assert writer.tier_link is not None
-    writer.tier_link.tier.close()  # the writes are flushed
+    assert writer.admission.tier_link is not None
+    writer.admission.tier_link.tier.close()  # the writes are flushed
     assert backend.objects, "nothing was written to the tier"
     turn2 = first + reply + second
     expected, cached_without = run(engine(model_dir, None), turn2)
@@ -72,7 +72,7 @@ def test_a_fresh_engine_continues_a_conversation_from_the_tier_exactly(family: s
     got, cached = run(fresh, turn2)
     assert got == expected
     assert cached_without == 0 and cached >= 5 * SEGMENT * BLOCK  # the first turn's five segments at least
-    stats = fresh.tier_link.tier.stats if fresh.tier_link else None
+    stats = fresh.admission.tier_link.tier.stats if fresh.admission.tier_link else None
     assert stats is not None and stats.hit_blocks * BLOCK == cached and stats.faults == 0
 
 
@@ -81,13 +81,13 @@ def test_compiled_adapters_and_the_base_never_share_tier_segments(tiny_model_dir
     prompt, _ = turns(FAMILIES["llama"]["vocab_size"])
     backend = MemoryBackend()
     writer = engine(model_dir, backend)
-    kv = writer.virtual_tokens_kv(torch.randn(5, writer.config.hidden_size))
-    writer.load_adapter("soft", "PROMPT_TUNING", 5, kv)
+    kv = writer.prefixes.virtual_tokens_kv(torch.randn(5, writer.config.hidden_size))
+    writer.prefixes.load_adapter("soft", "PROMPT_TUNING", 5, kv)
     rid = writer.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), adapter="soft")
     while writer.has_unfinished():
         writer.step()
-    assert rid and writer.tier_link is not None
-    writer.tier_link.tier.close()
+    assert rid and writer.admission.tier_link is not None
+    writer.admission.tier_link.tier.close()
     assert backend.objects
     _, cached = run(engine(model_dir, backend), prompt)  # the base model, same tokens: nothing to load
     assert cached == 0
@@ -100,8 +100,8 @@ def test_a_faulty_tier_costs_a_recompute_never_a_wrong_token(fault: str, tiny_mo
     good = MemoryBackend()
     writer = engine(model_dir, good)
     reply, _ = run(writer, first)
-    assert writer.tier_link is not None
-    writer.tier_link.tier.close()
+    assert writer.admission.tier_link is not None
+    writer.admission.tier_link.tier.close()
     release = threading.Event()
 
     class Faulty(MemoryBackend):
@@ -119,7 +119,7 @@ def test_a_faulty_tier_costs_a_recompute_never_a_wrong_token(fault: str, tiny_mo
     got, cached = run(faulty, turn2)
     release.set()
     assert got == expected and cached == 0
-    assert faulty.tier_link is not None and faulty.tier_link.tier.stats.faults >= 1
+    assert faulty.admission.tier_link is not None and faulty.admission.tier_link.tier.stats.faults >= 1
 
 
 def test_the_tier_refuses_an_engine_it_cannot_serve(tiny_model_dir: ModelDir) -> None:
@@ -156,6 +156,6 @@ def test_lora_requests_are_left_out_of_the_tier(tiny_model_dir: ModelDir, tmp_pa
         while done is None:
             done = next((o.token_ids for o in e.step() if o.request_id == rid and o.finished), None)
         outputs.append(done)
-        if e.tier_link is not None:
-            e.tier_link.tier.close()
+        if e.admission.tier_link is not None:
+            e.admission.tier_link.tier.close()
     assert outputs[0] == outputs[1] and backend.objects == {}

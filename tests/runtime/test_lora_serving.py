@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from runtime import SamplingParams
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
 from runtime.engine.lora import LoraManager, LoraWeights, lora_from_peft
+from runtime.engine.options import EngineOptions
 from runtime.llm import LLM
 from runtime.models.config import ModelConfig
 from tests.support.model_configs import FAMILIES
@@ -133,7 +134,7 @@ def test_adapters_beyond_the_slots_are_paged_in(tiny_model_dir, loras_of) -> Non
     outs = llm.generate(prompts, GREEDY, adapter=adapters)
     for out, prompt, adapter in zip(outs, prompts, adapters, strict=True):
         check(model_dir, loras, prompt, adapter, out.token_ids)
-    stats = llm.engine.lora_stats()
+    stats = llm.engine.loras.stats
     assert stats.misses == stats.loads == len(calls) > len(LORAS)  # two slots for four adapters: some came back
     assert stats.hits + stats.misses >= 8 and stats.load_seconds > 0
     assert len(llm.engine.loras.resident) == 2
@@ -192,7 +193,7 @@ def test_bad_lora_calls_are_refused_clearly(tiny_model_dir, loras_of) -> None:
     while engine.has_unfinished():
         engine.step()
     engine.remove_lora("qv4")
-    assert engine.list_loras() == []
+    assert engine.loras.names() == []
     with pytest.raises(ValueError, match="max_loras must be >= 1"):
         EngineOptions(max_loras=0).validate()
 
@@ -212,7 +213,7 @@ def test_an_adapter_that_fails_to_load_aborts_its_requests_not_the_engine(tiny_m
     for out, prompt, adapter in zip(outs[1:], prompts[1:], adapters[1:], strict=True):
         assert out.finish_reason == "length"
         check(model_dir, loras, prompt, adapter, out.token_ids)
-    stats = llm.engine.lora_stats()
+    stats = llm.engine.loras.stats
     assert stats.load_errors == 1 and "blob sha256 mismatch" in (stats.last_load_error or "")
     assert llm.engine.blocks.num_used_blocks == 0
 
@@ -226,7 +227,7 @@ def test_speculative_verification_keeps_each_rows_adapter(tiny_model_dir, loras_
     adapters: list[str | None] = [[*LORAS, None][i % 5] for i in range(8)]
     long = SamplingParams(max_tokens=3 * MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, long, adapter=adapters)
-    assert llm.engine.spec.num_accepted_tokens > 0
+    assert llm.engine.speculation.stats.num_accepted_tokens > 0
     for out, prompt, adapter in zip(outs, prompts, adapters, strict=True):
         if adapter is None:
             assert_matches_reference(model_dir, prompt, out.token_ids, 3 * MAX_TOKENS)

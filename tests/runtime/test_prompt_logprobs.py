@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 

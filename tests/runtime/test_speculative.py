@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.engine.rejection_sampler import accept
 from runtime.engine.sampler import Sampler
 from runtime.engine.sequence import Sequence
@@ -147,7 +148,7 @@ def test_rollback_keeps_block_accounting_exact(tiny_model_dir, family: str) -> N
                             num_speculative_tokens=4)
     engine = LLMEngine.from_hf(model_dir, options)
     oracle = OracleProposer({tuple(p): o for p, o in zip(prompts, outs, strict=True)}, engine.config.vocab_size)
-    engine.proposer = oracle
+    engine.speculation.proposer = oracle
     free_at_start = engine.blocks.num_free_blocks
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}

@@ -103,7 +103,7 @@ def test_too_few_tokens_end_with_length(llm: LLM) -> None:
 
 
 def test_compiled_grammars_are_cached_by_schema(llm: LLM) -> None:
-    compiler = llm.engine.grammar_compiler()
+    compiler = llm.engine.inputs.grammar_compiler()
     schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
     compiled = compiler.stats.compiled
     first = compiler.compile(StructuredOutputsParams(json=schema))
@@ -160,7 +160,7 @@ def test_the_grammar_engine_is_imported_only_for_a_constrained_request() -> None
 
 def test_async_requests_compile_off_the_step_loop(tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from runtime import AsyncLLM
-    from runtime.engine.engine import EngineOptions
+    from runtime.engine.options import EngineOptions
     from runtime.engine.structured import GrammarCompiler
 
     threads: list[str] = []
@@ -196,7 +196,7 @@ def test_a_costly_regex_does_not_stall_the_other_streams(tiny_model_dir) -> None
     import time
 
     from runtime import AsyncLLM
-    from runtime.engine.engine import EngineOptions
+    from runtime.engine.options import EngineOptions
 
     options = EngineOptions(dtype="float32", num_kv_blocks=256, max_model_len=256)
     llm = AsyncLLM.from_hf(tiny_model_dir("llama"), options)

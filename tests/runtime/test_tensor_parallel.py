@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.engine.tensor_parallel import TensorParallelError, shard_config
 from runtime.models.config import ModelConfig
 from runtime.sampling_params import SamplingParams

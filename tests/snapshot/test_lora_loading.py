@@ -24,7 +24,7 @@ def test_the_loader_registers_each_adapter_and_decodes_as_peft(model_dir: Path, 
     store = LocalStore(tmp_path / "store")
     push_snapshot(store, built.manifest.encode(), built.id, built.blob_paths)
     llm = load(built.id, store=store, cache=tmp_path / "serve-cache", num_kv_blocks=64, prepack_weights=False)
-    assert sorted(llm.engine.list_loras()) == ["chat", "sql"]
+    assert sorted(llm.engine.loras.names()) == ["chat", "sql"]
     prompt = [5, 17, 99, 4, 250, 31]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = llm.generate([prompt] * 3, params, adapter=["sql", None, "chat"])

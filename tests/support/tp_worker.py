@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from runtime.engine.engine import EngineOptions, LLMEngine
+from runtime.engine.engine import LLMEngine
+from runtime.engine.options import EngineOptions
 from runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
 from runtime.models.config import ModelConfig
 from runtime.models.weights import load_weights
