@@ -38,7 +38,8 @@ class KVTierConfig:
 
 
 def add_arguments(serve: Any) -> None:
-    tier = serve.add_argument_group("kv tier (KV kept beyond the instance; holds users' conversations: see README)")
+    tier = serve.add_argument_group("kv tier (KV kept beyond the instance; holds users' conversations: see "
+                                    "docs/serving.md)")
     tier.add_argument("--kv-tier", choices=KINDS, default="off",
                       help="keep computed KV on a local disk or in an object store, and load it for later prompts "
                            "that start the same way (default off)")  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 from runtime.engine.engine import LLMEngine
 from runtime.engine.input_processor import Prompt
@@ -18,41 +19,13 @@ class LLM:
 
     @classmethod
     def from_hf(
-        cls,
-        model_dir: str | Path,
-        *,
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        seed: int | None = None,
-        prepack_weights: bool = True,
-        speculative: str | None = None,
-        num_speculative_tokens: int = 4,
-        draft_model: str | Path | None = None,
-        device: str = "auto",
-        gpu_memory_utilization: float = 0.9,
+        cls, model_dir: str | Path, *, draft_model: str | Path | None = None, device: str = "auto", **options: Any
     ) -> LLM:
-        """``device``: auto (CUDA when torch sees one, else the CPU), cpu, cuda or cuda:N; on CUDA the engine runs
-        the Triton kernels and sizes its KV pool from ``gpu_memory_utilization`` of the GPU's memory."""
-        options = EngineOptions(
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-            seed=seed,
-            prepack_weights=prepack_weights,
-            speculative=speculative,
-            num_speculative_tokens=num_speculative_tokens,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
-        return cls(LLMEngine.from_hf(model_dir, options, draft_model, device))
+        """``options``: any of EngineOptions' fields by name (dtype, max_num_seqs, max_loras, ...), its defaults
+        for the rest. ``device``: auto (CUDA when torch sees one, else the CPU), cpu, cuda or cuda:N; on CUDA the
+        engine runs the Triton kernels and sizes its KV pool from ``gpu_memory_utilization`` of the GPU's memory.
+        ``draft_model``: an HF directory for ``speculative="draft"``."""
+        return cls(LLMEngine.from_hf(model_dir, EngineOptions.from_keywords(**options), draft_model, device))
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]

@@ -122,7 +122,7 @@ def build_snapshot(
         engine = prefix_engine(config, weights, options, max([len(t) for t in token_lists] +
                                                        [a.num_tokens for a in prompt_adapters]))
         for spec, token_ids in zip(options.prefixes, token_lists, strict=True):
-            log(f"computing prefix KV for {spec.name!r} ({len(token_ids)} tokens)")
+            log(f"computing prefix KV for {spec.name!r} ({prefix_coverage(len(token_ids), options.block_size)})")
             prefixes.append(prefix_entry(spec, token_ids, engine, blobs, world))
         for adapter in prompt_adapters:
             adapters.append(_adapter_entry(adapter, engine, blobs, log, world))
@@ -255,3 +255,13 @@ def _source_hashes(model_dir: Path, options: BuildOptions) -> dict[str, str]:
     if options.lora is not None:
         out["lora"] = file_blob_id(options.lora / "adapter_model.safetensors")
     return dict(sorted(out.items()))
+
+
+def prefix_coverage(num_tokens: int, block_size: int) -> str:
+    """What of a prefix requests will find cached: its whole KV blocks (a partial last block is never shared)."""
+    cached = num_tokens // block_size * block_size
+    if not cached:
+        return (f"{num_tokens} tokens, under one {block_size}-token KV block: nothing of it can be served from the "
+                "cache; a longer prefix or a smaller --block-size would be")
+    rest = f", the last {num_tokens - cached} computed per request" if num_tokens > cached else ""
+    return f"{num_tokens} tokens: {cached} served from the prefix cache{rest}"

@@ -129,7 +129,7 @@ def load_with_report(
     if cached is not None:
         _check_ranks(cached, group)
     # A size check (a stat per blob) on every load; hashes are checked when blobs enter the cache, by `warmstart
-    # pull` and by `warmstart verify`, not here: see "What is verified when" in the README.
+    # pull` and by `warmstart verify`, not here: see "What is verified when" in docs/snapshots.md.
     report = LoadReport(ref, device=str(where))
 
     def mark(phase: str) -> None:

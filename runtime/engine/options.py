@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from runtime.engine.dtype_choice import AUTO
 from runtime.models.config import ModelConfig
@@ -35,6 +36,16 @@ class EngineOptions:
     # slots are allocated with the first adapter added), and the largest rank served.
     max_loras: int = 4
     max_lora_rank: int = 16
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> EngineOptions:
+        """Options named as the fields are (LLM.from_hf's keywords); an unknown name is refused, naming the known."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(keywords) - set(known))
+        if unknown:
+            names = ", ".join(map(repr, unknown))
+            raise ValueError(f"unknown engine option {names}; the options are {', '.join(known)}")
+        return cls(**keywords)
 
     def context_length(self, config: ModelConfig) -> int:
         """The longest sequence the engine serves: max_model_len, capped by the model's positions."""

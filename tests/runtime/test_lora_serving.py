@@ -233,3 +233,10 @@ def test_speculative_verification_keeps_each_rows_adapter(tiny_model_dir, loras_
             assert_matches_reference(model_dir, prompt, out.token_ids, 3 * MAX_TOKENS)
         else:
             assert_matches_peft(model_dir, loras[adapter], prompt, out.token_ids)
+
+
+def test_llm_takes_every_engine_option_by_name(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM.from_hf(tiny_model_dir("llama"), dtype="float32", num_kv_blocks=32, max_loras=2, max_lora_rank=8)
+    assert (llm.engine.options.max_loras, llm.engine.options.max_lora_rank) == (2, 8)
+    with pytest.raises(ValueError, match=r"unknown engine option 'max_lora'; the options are .*max_loras"):
+        LLM.from_hf(tiny_model_dir("llama"), max_lora=2)

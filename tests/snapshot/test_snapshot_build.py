@@ -75,6 +75,20 @@ def test_first_request_after_load_hits_the_prefix_blocks(tiny_model_dir, tmp_pat
         assert_matches_reference(model_dir, prompt, out.token_ids, GREEDY.max_tokens)
 
 
+def test_the_build_says_what_of_each_prefix_will_be_cached(tiny_model_dir, tmp_path: Path) -> None:
+    """Only whole KV blocks are shared: a prefix under one block is cached not at all, and the build says so."""
+    (tmp_path / "short.txt").write_text("Be brief.")
+    specs = [*prefix_files(tmp_path), PrefixSpec("short", tmp_path / "short.txt", "text")]
+    lines: list[str] = []
+    built = build_snapshot(tiny_model_dir("llama"), BuildOptions(dtype="float32", prefixes=specs),
+                           BlobCache(tmp_path / "cache"), lines.append)
+    said = {line.split("'")[1]: line for line in lines if line.startswith("computing prefix KV")}
+    entries = {p["name"]: p for p in built.manifest.data["prefixes"]}
+    assert "nothing of it can be served from the cache" in said["short"] and not entries["short"]["block_hashes"]
+    cached = len(entries["doc"]["block_hashes"]) * built.manifest.data["engine"]["block_size"]
+    assert f": {cached} served from the prefix cache" in said["doc"]
+
+
 def test_rebuild_uploads_nothing_and_a_prefix_change_uploads_only_its_kv(tiny_model_dir, tmp_path: Path) -> None:
     model_dir = tiny_model_dir("qwen2")
     prefixes = prefix_files(tmp_path)
