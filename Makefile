@@ -1,27 +1,43 @@
-# warmstart: `make demo` snapshots a random model and serves it (Ctrl-C stops), `make test` runs lint, types
-# and tests (and, on an AVX-512 CPU, the engine tests again as an AVX2-only CPU runs them).
+# warmstart: `make demo` snapshots the real SmolLM2-135M-Instruct and serves it (Ctrl-C stops); it installs only
+# what running and building need (the `build` extra). `make test` installs the test toolchain too (the `test` extra)
+# and runs lint, types and tests (and, on an AVX-512 CPU, the engine tests again as an AVX2-only CPU runs them).
 # GPU machines: `make test TORCH=torch` (pip picks the CUDA build of torch).
 
 TORCH ?= torch==2.13.0
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(subst =,_,$(subst <,_,$(subst >,_,$(subst $() ,_,$(TORCH)))))
+TORCH_TAG := $(subst =,_,$(subst <,_,$(subst >,_,$(subst $() ,_,$(TORCH)))))
+STAMP := $(VENV)/.installed-test-$(TORCH_TAG)
+RUN_STAMP := $(VENV)/.installed-run-$(TORCH_TAG)
+SOURCES := pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kernels/cpu_small_ops.c \
+	runtime/kernels/cpu_gemv.c runtime/kernels/cpu_lora.c runtime/kernels/bf16.h runtime/kernels/decode_attention.h \
+	runtime/kernels/vec512.h runtime/kernels/vec256.h runtime/kernels/isa.h
 
 .PHONY: venv demo test test-emulated lint typecheck clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kernels/cpu_small_ops.c runtime/kernels/cpu_gemv.c runtime/kernels/cpu_lora.c runtime/kernels/bf16.h runtime/kernels/decode_attention.h runtime/kernels/vec512.h runtime/kernels/vec256.h runtime/kernels/isa.h
+# The test extra holds the build extra, so a test install serves `make demo` too.
+$(STAMP): $(SOURCES)
 	@test -n "$(PYTHON)" || { echo "python3.11 (or python3) not found on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install "$(TORCH)"
 	$(BIN)/python -m pip install -e '.[test]'
 	rm -f $(VENV)/.installed-*
+	touch $@ $(RUN_STAMP)
+
+$(RUN_STAMP): $(SOURCES)
+	@test -n "$(PYTHON)" || { echo "python3.11 (or python3) not found on PATH"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install -e '.[build]'
+	rm -f $(VENV)/.installed-run-*
 	touch $@
 
-demo: venv
+demo: $(RUN_STAMP)
 	$(BIN)/warmstart demo
 
 lint: venv
