@@ -46,7 +46,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
-# The paths an AVX2-only CPU takes, on a CPU with more: our kernels, oneDNN and ATen all held to AVX2 (issue 29).
+# The paths an AVX2-only CPU takes, on a CPU with more: our kernels, oneDNN and ATen all held to AVX2.
 AVX2_ONLY := WARMSTART_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
 test: venv lint typecheck

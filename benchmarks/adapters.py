@@ -8,9 +8,9 @@ prefix tuning with and without the projection; 12 to 40 virtual tokens) are save
 one snapshot. Then, round after round, alternating: (a) warmstart runs the requests with adapter i % 8, all in
 one continuous batch; (b) the same requests all with one adapter; (c) with none; and (d) once, peft serves
 the same requests as it can, one adapter at a time (a PeftModel per adapter, `generate` over that adapter's
-requests as one batch). Prefix caching is off, so every round computes its prompts in full. Goals
-(issue 6): (a) at least 90% of (b); time to first token with an adapter within 10% of the base model's with
-no prefix (a fresh prompt each time).
+requests as one batch). Prefix caching is off, so every round computes its prompts in full. Goals: (a) at
+least 90% of (b); time to first token with an adapter within 10% of the base model's with no prefix (a fresh
+prompt each time).
 
 peft caveat: with transformers 5, `PeftModel.generate` applies a prompt-tuning adapter to the prompt but not
 to later tokens, and ignores prefix tuning altogether (see tests/support/peft_reference.py), so its (d) does less

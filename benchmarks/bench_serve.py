@@ -1,4 +1,4 @@
-"""Served under vLLM's own load tester (issue 15, target 3): `vllm bench serve` against `warmstart serve` and
+"""Served under vLLM's own load tester: `vllm bench serve` against `warmstart serve` and
 `vllm serve` on the same model, one server at a time, side by side in one run.
 
     python benchmarks/bench_serve.py [--rounds 3] [--workloads random prefix] [--systems warmstart vllm]

@@ -1,7 +1,7 @@
 """Cold start: from spawning a server process to the first token of a chat request behind a long system prompt.
 
     python benchmarks/cold_start.py [--models smollm2-135m qwen2.5-0.5b] [--rounds 3] [--json]
-    python benchmarks/cold_start.py --models smollm2-135m --loras 8 --systems warmstart   # issue 17
+    python benchmarks/cold_start.py --models smollm2-135m --loras 8 --systems warmstart   # LoRA adapters
 
 The `cold-start` workload of ../shared/bench/workloads.json: a ~2,048-token system prompt, a 32-token user
 message, one request on a process that has just started. Per model (random weights, bf16), alternating, a
@@ -22,7 +22,7 @@ adapters minus without). ``--systems warmstart`` leaves out the transformers han
 
 Each server is polled on /health every 10 ms; once it answers 200 the request is sent (max_tokens 1, so
 the response marks the first token). Time is counted from just before the spawn. warmstart's own timeline
-(/status) is printed beside it. The bars (issue 4): 2.5x the transformers handler with SmolLM2-135M, 4x with
+(/status) is printed beside it. The bars: 2.5x the transformers handler with SmolLM2-135M, 4x with
 Qwen2.5-0.5B.
 """
 

@@ -1,4 +1,4 @@
-"""Decode of one sequence on the CPU: warmstart against llama.cpp, side by side (issue 15, target 2).
+"""Decode of one sequence on the CPU: warmstart against llama.cpp, side by side.
 
     OMP_NUM_THREADS=2 python benchmarks/decode.py [--rounds 5] [--systems warmstart warmstart-torch llamacpp]
         [--prompt-tokens 64] [--new-tokens 128] [--sequences 1] [--model-dir DIR] [--json OUT]

@@ -183,7 +183,7 @@ def served_tokens(base: str, prompt: list[int], max_tokens: int) -> list[str]:
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    """A token as the server's logprobs name it (handlers.openai_protocol.ServedModel.token_text)."""
+    """A token as the server's logprobs name it (handlers.openai.requests.ServedModel.token_text)."""
     try:
         return str(tokenizer.decode([token_id], skip_special_tokens=False))
     except Exception:  # an id past the tokenizer's vocabulary (the model's may be larger)

@@ -1,4 +1,4 @@
-"""The serverless case of issue 18: a conversation's next turn lands on a new instance. Time to first token of
+"""The serverless case of the KV tier: a conversation's next turn lands on a new instance. Time to first token of
 that turn on a fresh `warmstart serve` process with the KV tier (S3 on a moto server on 127.0.0.1) against a
 fresh process without it, side by side.
 

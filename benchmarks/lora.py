@@ -1,4 +1,4 @@
-"""Many LoRA adapters at once (issue 17): 8 adapters mixed in one stream vs the base model alone vs one adapter
+"""Many LoRA adapters at once: 8 adapters mixed in one stream vs the base model alone vs one adapter
 merged into the weights, side by side in one run; optionally vLLM's CPU build on the same load.
 
     python benchmarks/lora.py [--requests 32] [--prompt-tokens 64] [--max-tokens 32] [--rank 16] [--rounds 3]

@@ -1,4 +1,4 @@
-"""Prompt throughput (prefill) of warmstart against vLLM, side by side, on issue 15's three prefill shapes.
+"""Prompt throughput (prefill) of warmstart against vLLM, side by side, on three prefill shapes.
 
     python benchmarks/prefill.py [--systems warmstart warmstart-torch vllm] [--rounds 5] [--model-dir DIR]
 
@@ -9,7 +9,7 @@ others are stopped (SIGSTOP), so that an idle engine (vLLM's processes poll thei
 Each request asks for one token (the one the prefill produces). Figures: prompt tokens that were not cached / wall
 time, medians over the rounds, and the median of the per-round ratios of each system to the first.
 
-Shapes (issue 15):
+Shapes:
 - short: 8 fresh prompts of 384-512 tokens
 - long: 2 fresh prompts of 1,536-2,048 tokens
 - cached: 8 prompts of ~100 new tokens (90-110) behind one 768-1,024-token prefix, prefilled (untimed) first

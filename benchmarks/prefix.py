@@ -7,7 +7,7 @@ with that prefix (`--prefix`); then, alternating, (a) the snapshot is loaded and
 prefix plus a short question is timed to its first token, and (b) the same request is timed on an engine
 loaded from the HF directory, which must compute the prefix. Loading is not timed, nor the weight packing
 that runs in the background after a start (benchmarks/cold_start.py times the whole start); the request is.
-The bar (issue 3) is at least 10x.
+The bar is at least 10x.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""warmstart against llama.cpp on this machine, side by side: prefill, batch-1 decode, ratios, the ISA (issue 29).
+"""warmstart against llama.cpp on this machine, side by side: prefill, batch-1 decode, ratios, the ISA.
 
     OMP_NUM_THREADS=2 python benchmarks/vs_llamacpp.py [--isa native|avx2] [--rounds 3] [--model-dir DIR]
         [--new-tokens 128] [--json OUT]

@@ -26,6 +26,7 @@ def test_runtime_and_loader_never_import_transformers() -> None:
 
 
 def test_serving_imports_neither_torch_nor_transformers_before_it_listens() -> None:
-    modules = imported_after("import handlers.cli, handlers.app, handlers.serve, handlers.state, starlette, uvicorn")
+    modules = imported_after("import handlers.cli.main, handlers.server.app, handlers.cli.serve, "
+                             "handlers.server.state, starlette, uvicorn")
     assert "torch" not in modules and "runtime" not in modules
     assert not {m for m in modules if m.split(".")[0] in ("transformers", "peft")}

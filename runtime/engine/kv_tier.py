@@ -10,7 +10,7 @@ token before it. Only whole segments are stored; a tail shorter than a segment i
 a chain's segments from the start and keeps the longest run that loads.
 
 Every object carries its chain hashes and its layout, and ends with an HMAC-SHA256 of all of it under a key the
-instances that share the tier share (handlers/kv_tier_options.py says where it comes from): whoever can write to
+instances that share the tier share (handlers/server/kv_tier_options.py says where it comes from): whoever can write to
 the tier but lacks the key cannot make a segment a server will load, and a segment of another tenant namespace
 or another key is refused. Anything that does not match what was asked (a forged or damaged object, a hash
 collision, a layout from another build) is a miss, counted as a fault, never KV in the pool. Backends are plain

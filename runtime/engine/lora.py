@@ -1,4 +1,4 @@
-"""LoRA adapters served unmerged: many at once over one base, each request picking its own (issue 17).
+"""LoRA adapters served unmerged: many at once over one base, each request picking its own.
 
 An adapter is held in the engine's fused layout (``LoraWeights``): per layer, for each of the four fused
 linears ("qkv", "o_proj", "gate_up", "down") it targets, ``A`` [slices * rank, in_features] and ``B``

@@ -3,7 +3,7 @@ layer's [RMSNorm, qkv, rotary, KV write], decode attention over the pool and [o_
 gate_up, SiLU-and-mul, down, residual add] in one OpenMP region.
 
 For one sequence on SmolLM2-135M about a third of a step was Python dispatch and small ops around the matmuls, and
-three C calls per layer still left about 4 ms of it (docs/BENCHMARKS.md, issue 15). This path takes bf16 decode rows
+three C calls per layer still left about 4 ms of it (docs/BENCHMARKS.md). This path takes bf16 decode rows
 (at most MAX_ROWS) of plain or prepacked weights. It steps aside, for the model's ordinary ops (the reference the
 tests compare with), for prefill rows, for a batch carrying LoRA adapters, for quantized weights, for tensor-parallel
 shards, for q/k norms (Qwen3), for float32 (whose arithmetic the transformers comparison pins down), below AVX2 (the

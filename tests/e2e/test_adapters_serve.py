@@ -15,11 +15,11 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.app import create_app
-from handlers.coldstart import Timeline
-from handlers.metrics import Metrics
-from handlers.openai_protocol import APIError, ServedModel, parse_completion
-from handlers.state import ServeState
+from handlers.openai.requests import APIError, ServedModel, parse_completion
+from handlers.server.app import create_app
+from handlers.server.metrics import Metrics
+from handlers.server.state import ServeState
+from handlers.server.timeline import Timeline
 from runtime import LLM, SamplingParams
 from snapshot.loader import load
 from tests.handlers.test_cli_snapshot import last_json, warmstart

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.app import create_app
-from handlers.coldstart import Timeline
-from handlers.state import Limits, ServeState, load_snapshot
+from handlers.server.app import create_app
+from handlers.server.state import Limits, ServeState, load_snapshot
+from handlers.server.timeline import Timeline
 from runtime.sampling_params import MAX_STOP_TOKEN_IDS
 from tests.support.serving import (
     AUTH,

@@ -1,4 +1,4 @@
-"""LoRA adapters served unmerged through a real `warmstart serve` and the official openai client (issue 17): two
+"""LoRA adapters served unmerged through a real `warmstart serve` and the official openai client: two
 adapters from the snapshot and the base in one stream of concurrent requests, each equal to the in-process engine's
 output, with fewer device slots than adapters (--max-loras 1: requests wait for theirs); an adapter pushed to the
 store loaded and unloaded without a restart (vLLM's routes and bodies), its errors, the API key, /v1/models and

@@ -1,7 +1,7 @@
 """What clients send beyond the sampling fields, through the official `openai` client against real `warmstart
 serve` processes: fields the server ignores (counted in /metrics), fields it refuses, the model's own
 generation_config.json defaults stored in the snapshot, chat_template_kwargs, SentencePiece detokenization and
---reasoning-parser (issue 21 items 1-5)."""
+--reasoning-parser."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.app import create_app
-from handlers.state import Limits
+from handlers.server.app import create_app
+from handlers.server.state import Limits
 from runtime.tokenizer import Tokenizer
 from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_state
 

@@ -1,4 +1,4 @@
-"""`warmstart serve`'s API key, each way it can be given (issue 34): `--api-key KEY`, `--api-key-env NAME` and
+"""`warmstart serve`'s API key, each way it can be given: `--api-key KEY`, `--api-key-env NAME` and
 $WARMSTART_API_KEY. Each server, started for real, answers 401 without the key; an option that resolves to no key
 refuses to start in one line; and no option is read as a prefix of another (argparse's abbreviations are off, which
 once made `--api-key secret` mean `--api-key-env secret` and serve everyone)."""
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from handlers.cli import build_parser
+from handlers.cli.main import build_parser
 from tests.support.serving import KEY, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_side_by_side
 
 

@@ -1,4 +1,4 @@
-"""`warmstart serve --device` as real processes (issue 20, item 1): the Triton kernels (under Triton's
+"""`warmstart serve --device` as real processes: the Triton kernels (under Triton's
 interpreter, on CPU tensors: the CUDA path's wiring without a GPU) serve the same greedy tokens as the PyTorch
 path, through prefix hits too; /status and /metrics say which device and ops serve; a GPU that is not there
 ends the process at once with one sentence."""

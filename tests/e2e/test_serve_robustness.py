@@ -17,9 +17,9 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.app import ErrorResponse, create_app
-from handlers.openai_protocol import APIError, ServedModel, parse_completion
-from handlers.state import Limits, ServeState
+from handlers.openai.requests import APIError, ServedModel, parse_completion
+from handlers.server.app import ErrorResponse, create_app
+from handlers.server.state import Limits, ServeState
 from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, build_tiny_snapshot, error_of, ready_state
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.app import create_app
-from handlers.cli import build_parser
-from handlers.coldstart import Timeline
-from handlers.state import Limits, ServeState, load_snapshot
+from handlers.cli.main import build_parser
+from handlers.server.app import create_app
+from handlers.server.state import Limits, ServeState, load_snapshot
+from handlers.server.timeline import Timeline
 from runtime import SamplingParams
 from runtime.engine.speculative import DraftProposer
 from runtime.random_model import make_random_model, perturb_model

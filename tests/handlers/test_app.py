@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.app import create_app
-from handlers.coldstart import Timeline
-from handlers.state import Limits, ServeState
+from handlers.server.app import create_app
+from handlers.server.state import Limits, ServeState
+from handlers.server.timeline import Timeline
 from runtime import LLM, SamplingParams
 from snapshot.loader import load
 from tests.support.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state

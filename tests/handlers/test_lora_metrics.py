@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from handlers.coldstart import Timeline
-from handlers.metrics import Metrics
+from handlers.server.metrics import Metrics
+from handlers.server.timeline import Timeline
 from runtime.engine.lora import LoraStats
 
 

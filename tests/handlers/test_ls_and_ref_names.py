@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from handlers.cli import main
-from handlers.snapshot_commands import LS_INCOMPLETE
+from handlers.cli.main import main
+from handlers.cli.snapshots import LS_INCOMPLETE
 from snapshot.errors import StoreError
 from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
 from snapshot.refs import resolve_ref

@@ -1,4 +1,4 @@
-"""handlers/reasoning.py: the qwen3 and deepseek_r1 splits of a reply, and streamed deltas that add up to them
+"""handlers/openai/reasoning.py: the qwen3 and deepseek_r1 splits of a reply, and streamed deltas that add up to them
 however the text is cut."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from handlers.reasoning import ReasoningStream, Split, message_fields, split
+from handlers.openai.reasoning import ReasoningStream, Split, message_fields, split
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), [

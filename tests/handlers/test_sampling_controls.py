@@ -1,11 +1,11 @@
-"""handlers.sampling_controls through parse_completion: the fields become SamplingParams, the model's
+"""handlers.openai.sampling_controls through parse_completion: the fields become SamplingParams, the model's
 generation_config repetition_penalty is the default, bad values a 400 naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from handlers.openai_protocol import APIError, ServedModel, parse_completion
+from handlers.openai.requests import APIError, ServedModel, parse_completion
 
 
 def model(**defaults: float) -> ServedModel:

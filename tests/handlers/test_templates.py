@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from handlers.deploy_templates import PLATFORMS
+from handlers.cli.templates import PLATFORMS
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -467,8 +467,8 @@ def test_the_runpod_worker_without_a_gpu_fails_at_once_saying_so(rendered: dict[
 def test_sagemaker_ping_and_invocations(tiny_model_dir, tmp_path: Path) -> None:
     from starlette.testclient import TestClient
 
-    from handlers.app import create_app
-    from handlers.state import Limits
+    from handlers.server.app import create_app
+    from handlers.server.state import Limits
     from tests.support.serving import build_tiny_snapshot, ready_state
 
     state = ready_state(build_tiny_snapshot(tiny_model_dir("llama"), tmp_path), Limits(api_key="secret"))
@@ -508,7 +508,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_an_installed_warmstart_renders_from_its_data_files(installed: Path, s3_env: dict[str, str],
                                                             tmp_path: Path) -> None:
     env = {**s3_env, "PYTHONPATH": str(installed)}
-    probe = "import handlers.deploy_templates as d; print(d.__file__); print(d.templates_dir())"
+    probe = "import handlers.cli.templates as d; print(d.__file__); print(d.templates_dir())"
     where = run(sys.executable, "-c", probe, env=env, cwd=tmp_path)
     assert where.returncode == 0, where.stderr
     module, templates = where.stdout.split()

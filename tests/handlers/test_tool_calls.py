@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from handlers.tool_calls import call_grammar, parse_tool_calls, parser_for_template
+from handlers.openai.tool_calls import call_grammar, parse_tool_calls, parser_for_template
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -149,7 +149,7 @@ def test_mistral_grammar_begins_with_the_special_token(mistral_tokenizer: tuple[
 ])  # fmt: skip
 @pytest.mark.parametrize("cut", [1, 2, 3, 7])
 def test_streamed_deltas_add_up_to_the_whole_reply(parser: str, text: str, cut: int) -> None:
-    from handlers.tool_calls import ToolCallStream
+    from handlers.openai.tool_calls import ToolCallStream
 
     stream = ToolCallStream(parser)
     pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
@@ -163,7 +163,7 @@ def test_streamed_deltas_add_up_to_the_whole_reply(parser: str, text: str, cut: 
 
 
 def test_a_template_without_a_known_format_needs_the_flag() -> None:
-    from handlers.tool_calls import ToolFieldError, tool_request
+    from handlers.openai.tool_calls import ToolFieldError, tool_request
 
     body = {"tools": [WEATHER], "tool_choice": "auto"}
     with pytest.raises(ToolFieldError, match="--tool-call-parser"):

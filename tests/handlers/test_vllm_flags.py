@@ -9,9 +9,9 @@ from importlib.metadata import version
 
 import pytest
 
-from handlers.cli import build_parser
+from handlers.cli.main import build_parser
+from handlers.cli.vllm_flags import snapshot_ref
 from handlers.errors import CliError
-from handlers.vllm_flags import snapshot_ref
 from tests.support.serving import REPO
 
 

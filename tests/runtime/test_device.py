@@ -1,4 +1,4 @@
-"""Where the engine runs (issue 20, items 1 and 3): device names resolved once and refused clearly when the
+"""Where the engine runs: device names resolved once and refused clearly when the
 device is not there; the KV pool on CUDA sized from the GPU's memory after the weights (torch.cuda's memory
 functions stubbed: no GPU here), with --gpu-memory-utilization as vLLM has it and a clear error for a pool too
 small for one full-length sequence; weights moved to a device keep the layout the Triton matmuls read."""
@@ -77,9 +77,11 @@ def test_unknown_device_names_are_refused(name: str) -> None:
 # -- the faces take a device ---------------------------------------------------------------------------------
 
 
-def test_from_hf_takes_a_device_and_a_memory_share() -> None:
-    parameters = inspect.signature(LLM.from_hf).parameters
-    assert parameters["device"].default == "auto" and parameters["gpu_memory_utilization"].default == 0.9
+def test_from_hf_takes_a_device_and_a_memory_share(tiny_model_dir: ModelDir) -> None:
+    assert inspect.signature(LLM.from_hf).parameters["device"].default == "auto"
+    default = LLM.from_hf(tiny_model_dir("llama"), dtype="float32", num_kv_blocks=8, device="cpu")
+    half = LLM.from_hf(tiny_model_dir("llama"), dtype="float32", num_kv_blocks=8, gpu_memory_utilization=0.5)
+    assert (default.engine.options.gpu_memory_utilization, half.engine.options.gpu_memory_utilization) == (0.9, 0.5)
 
 
 def test_from_hf_on_the_cpu_generates_what_it_did_without_a_device(tiny_model_dir: ModelDir) -> None:

@@ -1,4 +1,4 @@
-"""Admission against the KV pool (issue 22, item 1): a request is refused at once when it could never be
+"""Admission against the KV pool: a request is refused at once when it could never be
 scheduled, counting the blocks that snapshot prefixes and adapters pin for good; a pool sized from memory
 gets the pinned blocks on top; a pool too small for them is refused saying what to change. Also the cap on
 ``stop_token_ids`` and its per-token check (item 8)."""

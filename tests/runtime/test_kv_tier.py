@@ -48,7 +48,7 @@ def test_a_segment_round_trips_bit_for_bit() -> None:
 
 
 def forge(data: bytes) -> bytes:
-    """What issue 40's attack did to a version-1 segment: new KV in place of the old, and every unkeyed check made
+    """What a forged write did to a version-1 segment: new KV in place of the old, and every unkeyed check made
     to fit (here the MAC is recomputed with a key the forger guesses)."""
     header_len = int.from_bytes(data[4:8], "little")
     signed = data[: 8 + header_len] + bytes(len(data) - MAC_LEN - 8 - header_len)  # the KV zeroed

@@ -1,4 +1,4 @@
-"""Many LoRA adapters served at once over the unmerged base (issue 17): for every family, greedy float32 outputs
+"""Many LoRA adapters served at once over the unmerged base: for every family, greedy float32 outputs
 of requests of four adapters (different ranks and targets) mixed with base-only requests in one batch equal
 transformers + PEFT's, under preemption and prefix hits; the prefix cache keeps each adapter's blocks apart;
 adapters beyond ``max_loras`` are paged in least recently used out, and requests wait for theirs."""

@@ -329,7 +329,7 @@ def test_gc_still_deletes_old_unreferenced_blobs(kind: str, tmp_path: Path) -> N
 
 def test_the_verify_command_reports_then_fails_in_one_sentence_when_it_cannot_fetch_again(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from handlers.cli import main
+    from handlers.cli.main import main
 
     store = LocalStore(tmp_path / "store")
     built = Built(tmp_path / "build")

@@ -1,4 +1,4 @@
-"""The loader's way onto a device (issue 20, item 2), run on the CPU: weight blobs copied blob by blob through
+"""The loader's way onto a device, run on the CPU: weight blobs copied blob by blob through
 the staging buffers (``stage_weights=True`` takes the GPU's path on the CPU), each as soon as the pull brings it
 in; the engine then serves from the copies exactly what it serves from the mapped blobs; the timeline, /status
 and /metrics show the copy. Devices that cannot take a snapshot are refused before anything is pulled."""
@@ -16,8 +16,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import snapshot.loader as loader
-from handlers.coldstart import Timeline
-from handlers.state import ServeState, load_snapshot
+from handlers.server.state import ServeState, load_snapshot
+from handlers.server.timeline import Timeline
 from runtime import SamplingParams
 from runtime.engine.device import DeviceError
 from runtime.kernels import isa

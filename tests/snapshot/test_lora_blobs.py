@@ -1,4 +1,4 @@
-"""LoRA adapters as their own blobs (issue 17): a snapshot with one more adapter uploads only that adapter's blob
+"""LoRA adapters as their own blobs: a snapshot with one more adapter uploads only that adapter's blob
 (to a local store and to a moto server), an adapter pushed on its own against a snapshot lands atomically and is
 verified when fetched, gc keeps what pushed adapters need, and what is not a plain LoRA is refused by name."""
 

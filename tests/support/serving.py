@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.coldstart import Timeline
-from handlers.state import Limits, ServeState, load_snapshot
+from handlers.server.state import Limits, ServeState, load_snapshot
+from handlers.server.timeline import Timeline
 from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
 from snapshot.cache import BlobCache
 from snapshot.stores import open_store

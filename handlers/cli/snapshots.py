@@ -1,6 +1,6 @@
 """`warmstart build | pull | verify | ls | inspect | tag | lora push | gc`: snapshots from the command line.
 
-Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main);
+Every failure a user can cause ends in one sentence on stderr and exit status 1 (see handlers.cli.main.main);
 `ls` exits with LS_INCOMPLETE (3) when it listed the store but flagged entries it cannot read.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from handlers.errors import CliError, positive_int
-from handlers.manifest_summary import adapter_summaries, lora_summaries, selector_summary
+from handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 
 if TYPE_CHECKING:
     from snapshot.store import Store

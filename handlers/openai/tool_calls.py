@@ -7,7 +7,7 @@
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` (v3 tokenizers), or
   ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+); the text before it is the content. ``[TOOL_CALLS]`` is a
   special token, so the text parsed must keep special tokens (a request under this parser is decoded with
-  skip_special_tokens False, as vLLM's mistral parser asks; handlers/openai_protocol.py).
+  skip_special_tokens False, as vLLM's mistral parser asks; handlers/openai/requests.py).
 
 ``tool_choice`` "required" or a named function is enforced with ``call_grammar``: a Lark grammar (llguidance's
 dialect, whose ``%json`` embeds a JSON schema) that admits only calls of the offered functions with arguments

@@ -1,6 +1,6 @@
 """The sampling controls of an OpenAI/vLLM request body: penalties, logit_bias, min_tokens, bad_words, n and
 best_of, checked field by field into SamplingParams' keyword arguments. A bad value raises FieldError naming
-the field (handlers.openai_protocol turns it into a 400)."""
+the field (handlers.openai.requests turns it into a 400)."""
 
 from __future__ import annotations
 

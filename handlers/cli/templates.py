@@ -25,7 +25,7 @@ TORCH_REQUIREMENT = "torch==2.13.0"  # the build the tests run against (Makefile
 RUNPOD_REQUIREMENT = "runpod>=1.7"
 CLOUD_RUN_GPUS = ("nvidia-l4", "nvidia-rtx-pro-6000")
 DEVICE = "cuda"  # what the instances' `warmstart serve --device` is given
-SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the checkout, when run from one (else site-packages)
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one (else site-packages)
 NAME = re.compile(r"^[a-z]([-a-z0-9]{0,47}[a-z0-9])?$")  # DNS-1035 label, short enough for every platform
 
 
@@ -154,7 +154,7 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
     from snapshot.refs import resolve_ref
     from snapshot.stores import open_store
 
-    try:  # not snapshot_commands.user_errors: that imports the runtime (torch), which rendering has no use for
+    try:  # not snapshots.user_errors: that imports the runtime (torch), which rendering has no use for
         store = open_store(store_uri)
         parsed = urlparse(store.uri)
         s3 = parsed.scheme == "s3"

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from handlers.openai_protocol import Generation, ServedModel
-from handlers.reasoning import ReasoningStream, message_fields
-from handlers.tool_calls import ToolCallStream, parse_tool_calls
+from handlers.openai.reasoning import ReasoningStream, message_fields
+from handlers.openai.requests import Generation, ServedModel
+from handlers.openai.tool_calls import ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
     from runtime.engine.sequence import TokenLogprobs

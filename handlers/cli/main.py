@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from handlers import demo, deploy_templates, prepare_command, serve, snapshot_commands
+from handlers.cli import demo, prepare_model, serve, snapshots, templates
 from handlers.errors import CliError, check_environment
 
 
@@ -33,10 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"warmstart {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_command(sub)
-    snapshot_commands.add_commands(sub)
-    prepare_command.add_command(sub)
+    snapshots.add_commands(sub)
+    prepare_model.add_command(sub)
     serve.add_command(sub)
-    deploy_templates.add_command(sub)
+    templates.add_command(sub)
     return parser
 
 

@@ -12,9 +12,9 @@ from typing import Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from handlers.generate import EventStream
-from handlers.openai_protocol import bad
-from handlers.openai_responses import SSE_DONE, sse
+from handlers.openai.replies import SSE_DONE, sse
+from handlers.openai.requests import bad
+from handlers.server.service import EventStream
 
 
 def split_prompts(body: Any) -> list[dict[str, Any]] | None:

@@ -3,7 +3,7 @@
 Before the socket is bound only what answering HTTP needs is imported (Starlette, uvicorn,
 prometheus-client, these handlers); torch and the snapshot loader are imported by the loading thread
 afterwards, so /health answers 503 while they load. stdout carries one JSON line per cold-start phase
-(see handlers.coldstart): scripts wait for `"phase": "listening"` (it has the URL and port) and
+(see handlers.server.timeline): scripts wait for `"phase": "listening"` (it has the URL and port) and
 `"phase": "ready"`. On SIGTERM the server stops accepting, lets in-flight requests finish for up to
 --grace-seconds, and exits 0.
 """
@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from handlers import kv_tier_options, vllm_flags
-from handlers.coldstart import Timeline, print_json_line
+from handlers.cli import vllm_flags
 from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
-from handlers.reasoning import PARSERS as REASONING_PARSERS
-from handlers.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from handlers.openai.reasoning import PARSERS as REASONING_PARSERS
+from handlers.openai.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from handlers.server import kv_tier_options
+from handlers.server.timeline import Timeline, print_json_line
 
 
 def add_command(sub: Any) -> None:
@@ -118,8 +119,8 @@ def add_command(sub: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-# Before a request is known (handlers/http_limits.py): 64 KiB of request line and headers, of the order of nginx's
-# large_client_header_buffers (4 x 8 KiB); connections a few times what --max-num-seqs and --max-queue hold.
+# Before a request is known (handlers/server/http_limits.py): 64 KiB of request line and headers, of the order of
+# nginx's large_client_header_buffers (4 x 8 KiB); connections a few times what --max-num-seqs and --max-queue hold.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_CONNECTIONS = 1024
 KEEP_ALIVE_SECONDS = 75.0  # nginx's default; a balancer reusing a connection the server just closed gets a 502
@@ -159,7 +160,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from handlers.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
+    from handlers.cli.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
     vllm_flags.snapshot_ref(args)
     timeline = Timeline(emit=print_json_line)
@@ -185,9 +186,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_follower(args, engine_options)
     import uvicorn
 
-    from handlers.app import create_app
-    from handlers.http_limits import bounded_protocol
-    from handlers.state import Limits, ServeState, load_snapshot
+    from handlers.server.app import create_app
+    from handlers.server.http_limits import bounded_protocol
+    from handlers.server.state import Limits, ServeState, load_snapshot
 
     timeline.mark("imports")
     sock = bind(args.host, args.port)

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from handlers.coldstart import Timeline
-from handlers.generate import Service
-from handlers.kv_tier_options import KVTierConfig
-from handlers.kv_tier_options import attach as attach_kv_tier
-from handlers.manifest_summary import adapter_summaries, lora_summaries, selector_summary
-from handlers.metrics import Metrics
-from handlers.openai_protocol import APIError, Prefix, ServedModel
+from handlers.openai.requests import APIError, Prefix, ServedModel
+from handlers.server.kv_tier_options import KVTierConfig
+from handlers.server.kv_tier_options import attach as attach_kv_tier
+from handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
+from handlers.server.metrics import Metrics
+from handlers.server.service import Service
+from handlers.server.timeline import Timeline
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
@@ -55,8 +55,8 @@ class ServeState:
     service: Service | None = None
     info: dict[str, Any] = field(default_factory=dict)  # snapshot id, prefixes, adapters, pull, engine
     group: TensorParallelGroup | None = None  # rank 0's tensor-parallel group, when there is one
-    reasoning_parser: str | None = None  # chat replies' <think> split out (handlers/reasoning.py)
-    tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the template
+    reasoning_parser: str | None = None  # chat replies' <think> split out (handlers/openai/reasoning.py)
+    tool_call_parser: str | None = None  # --tool-call-parser (handlers/openai/tool_calls.py); None: from the template
     special_tokens_in_content: bool = False  # --special-tokens-in-content (runtime/chat_content.py)
     tenant_header: str | None = None  # --tenant-header: each tenant's requests in a prefix cache chain of their own
     # LoRA adapters served (the snapshot's, and those loaded by POST /v1/load_lora_adapter): name -> summary
@@ -117,7 +117,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
     """Pull (if need be), map and start the engine for ``state.ref`` on ``device`` (auto, cpu, cuda or cuda:N: a
     device that is not there fails the load before anything is pulled); the state ends ready or failed.
 
-    With ``tensor_parallel`` > 1 this is rank 0 of a group joined through env:// (see handlers/tensor_parallel.py):
+    With ``tensor_parallel`` > 1 this is rank 0 of a group joined through env:// (see handlers/cli/tensor_parallel.py):
     it pulls and maps its own shard, and gathers the other ranks' pull and map times."""
     timeline = state.timeline
     try:

@@ -3,8 +3,8 @@
 Routes: GET /health (503 until the engine is ready, then 200), GET /status (the cold-start timeline and
 what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-(handlers/lora_routes.py); and SageMaker's container contract: GET /ping (as /health)
-and POST /invocations (a chat completion). Every response has an X-Request-Id (see handlers.middleware).
+(handlers/server/lora_routes.py); and SageMaker's container contract: GET /ping (as /health)
+and POST /invocations (a chat completion). Every response has an X-Request-Id (see handlers.server.middleware).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from handlers import lora_routes, responses_api, tokenize_api
-from handlers.coldstart import print_json_line
-from handlers.generate import ClientGone
-from handlers.metrics import CONTENT_TYPE
-from handlers.middleware import RequestContext, add_cors
-from handlers.openai_protocol import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
-from handlers.prompt_batch import serve_prompts, split_prompts
-from handlers.state import Limits, ServeState
+from handlers.openai.requests import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
+from handlers.server import lora_routes, responses_api, tokenize_api
+from handlers.server.metrics import CONTENT_TYPE
+from handlers.server.middleware import RequestContext, add_cors
+from handlers.server.prompt_batch import serve_prompts, split_prompts
+from handlers.server.service import ClientGone
+from handlers.server.state import Limits, ServeState
+from handlers.server.timeline import print_json_line
 
 if TYPE_CHECKING:
     from runtime.outputs import EngineStats

@@ -2,7 +2,7 @@
 
 Validation happens here, with the OpenAI field names in the messages, so the engine only ever sees requests
 it accepts. The engine's own checks stay as a second line (its ValueErrors also become 400s). The replies'
-shapes are in handlers.openai_responses.
+shapes are in handlers.openai.replies.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from handlers.sampling_controls import FieldError, choices, sampling_controls
-from handlers.structured_request import FIELDS as STRUCTURED
-from handlers.structured_request import StructuredFieldError, structured_outputs
-from handlers.tool_calls import MISTRAL_MARKER, ToolFieldError, ToolRequest, history_tool_calls, tool_request
+from handlers.openai.sampling_controls import FieldError, choices, sampling_controls
+from handlers.openai.structured_request import FIELDS as STRUCTURED
+from handlers.openai.structured_request import StructuredFieldError, structured_outputs
+from handlers.openai.tool_calls import MISTRAL_MARKER, ToolFieldError, ToolRequest, history_tool_calls, tool_request
 
 if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
     from runtime.sampling_params import SamplingParams
@@ -76,8 +76,8 @@ class ServedModel:
     kv_room: Callable[[list[int], str | None], int] | None = None
     # The model's generation_config.json sampling (temperature, top_p, top_k, min_p): what a request omitting them gets
     sampling_defaults: dict[str, float] = field(default_factory=dict)
-    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1 (handlers/reasoning.py)
-    tool_call_parser: str | None = None  # --tool-call-parser (handlers/tool_calls.py); None: from the chat template
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 or deepseek_r1 (handlers/openai/reasoning.py)
+    tool_call_parser: str | None = None  # --tool-call-parser (handlers/openai/tool_calls.py); None: the template's
     special_tokens_in_content: bool = False  # --special-tokens-in-content: a request's text may hold control tokens
     created: int = field(default_factory=lambda: int(time.time()))
     _system_head: list[int] | None = field(default=None, init=False, repr=False)
@@ -164,7 +164,7 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
 }
-# Checked by handlers.sampling_controls.
+# Checked by handlers.openai.sampling_controls.
 SAMPLING_NEUTRAL = {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                     "bad_words"}
 IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls"}  # no effect on what is generated

@@ -4,7 +4,8 @@ removed from a running server without a restart.
 The body is vLLM's, ``{"lora_name": ..., "lora_path": ...}``; here ``lora_path`` names an adapter pushed to the
 store against the served snapshot (`warmstart lora push NAME=DIR --snapshot ID`), whose blobs are pulled into the
 cache and verified before the engine gets it. Success is vLLM's plain-text sentence; errors are 400 or 404 with
-vLLM's messages, in OpenAI's error body. The API key guards these routes as every other (handlers.app.BearerAuth).
+vLLM's messages, in OpenAI's error body. The API key guards these routes as every other
+(handlers.server.app.BearerAuth).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import PlainTextResponse, Response
 
-from handlers.openai_protocol import APIError, bad
+from handlers.openai.requests import APIError, bad
 
 if TYPE_CHECKING:
-    from handlers.state import ServeState
+    from handlers.server.state import ServeState
     from runtime.async_engine import AsyncLLM
     from runtime.engine.lora import LoraStats
 

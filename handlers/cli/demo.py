@@ -130,7 +130,7 @@ def ensure_demo_model(model_dir: pathlib.Path, *, quiet: bool = False) -> pathli
 def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Namespace,
                   log: Callable[[str], None]) -> str:
     """The id of the demo snapshot in the store, built and tagged `demo` unless an up-to-date one is there."""
-    from handlers.snapshot_commands import user_errors
+    from handlers.cli.snapshots import user_errors
 
     with user_errors():
         import runtime
@@ -253,7 +253,7 @@ class Server:
         # process, which then stops the server the way a platform does (SIGTERM, drain, exit 0).
         self.stderr = tempfile.TemporaryFile(mode="w+") if quiet else None  # noqa: SIM115 - lives with the child
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     start_new_session=True, cwd=pathlib.Path(__file__).resolve().parent.parent)
+                                     start_new_session=True, cwd=pathlib.Path(__file__).resolve().parents[2])
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

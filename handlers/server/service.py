@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from handlers.coldstart import Timeline
-from handlers.metrics import Metrics
-from handlers.middleware import record_usage
-from handlers.openai_protocol import APIError, Generation, ServedModel, bad
-from handlers.openai_responses import SSE_DONE, Reply, sse
+from handlers.openai.replies import SSE_DONE, Reply, sse
+from handlers.openai.requests import APIError, Generation, ServedModel, bad
+from handlers.server.metrics import Metrics
+from handlers.server.middleware import record_usage
+from handlers.server.timeline import Timeline
 
 if TYPE_CHECKING:
     from runtime.async_engine import AsyncLLM
