@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-
-def imported_after(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return set(out.stdout.split())
+from tests.support.imports import imported_after
 
 
 def test_store_and_cache_import_without_torch() -> None:

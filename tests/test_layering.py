@@ -119,3 +119,16 @@ def test_the_upward_check_finds_upward_imports() -> None:
         "handlers.openai.requests -> handlers.server.state", "runtime.engine.engine -> snapshot.store",
         "runtime.layers.ops -> runtime.engine.sequence",
     ]
+
+
+def test_test_modules_import_no_other_test_module() -> None:
+    """Shared helpers live in tests/support/ and shared fixtures in a conftest.py: a test module imported by
+    another would run its tests twice and tie the two files together."""
+    found = []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found += [f"{path.relative_to(ROOT)} -> {m}" for m in modules
+                      if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith("test_")]
+    assert found == []

@@ -22,7 +22,7 @@ from handlers.server.state import ServeState
 from handlers.server.timeline import Timeline
 from runtime import LLM, SamplingParams
 from snapshot.loader import load
-from tests.handlers.test_cli_snapshot import last_json, warmstart
+from tests.support.cli import last_json, warmstart
 from tests.support.peft_reference import make_adapter
 from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, error_of, ready_state
 

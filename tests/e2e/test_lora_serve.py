@@ -22,7 +22,7 @@ from snapshot.cache import BlobCache
 from snapshot.loader import load
 from snapshot.lora import fetch_lora, lora_loader, push_lora
 from snapshot.stores import open_store
-from tests.handlers.test_cli_snapshot import last_json, warmstart
+from tests.support.cli import last_json, warmstart
 from tests.support.peft_reference import make_adapter
 from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, error_of
 

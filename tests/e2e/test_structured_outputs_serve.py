@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.runtime.test_structured_outputs import PERSON_SCHEMA
+from tests.support.schemas import PERSON_SCHEMA
 from tests.support.serving import KEY, ServerProcess, build_tiny_snapshot
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]

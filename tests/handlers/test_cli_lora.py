@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.handlers.test_cli_snapshot import env, last_json, warmstart  # noqa: F401 (env is a fixture)
+from tests.support.cli import last_json, warmstart
 from tests.support.peft_reference import make_adapter
 
 
 def test_build_stores_loras_beside_compiled_adapters_and_inspect_lists_both(tiny_model_dir, tmp_path: Path,
-                                                                            env: dict[str, str]) -> None:  # noqa: F811
+                                                                            env: dict[str, str]) -> None:
     model = tiny_model_dir("llama")
     sql = make_adapter(model, tmp_path / "sql", "LoraConfig", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
     soft = make_adapter(model, tmp_path / "soft", "PromptTuningConfig", seed=2, num_virtual_tokens=4)
@@ -30,7 +30,7 @@ def test_build_stores_loras_beside_compiled_adapters_and_inspect_lists_both(tiny
 
 
 def test_a_bare_lora_dir_still_merges_with_a_deprecation_line(tiny_model_dir, tmp_path: Path,
-                                                               env: dict[str, str]) -> None:  # noqa: F811
+                                                               env: dict[str, str]) -> None:
     model = tiny_model_dir("llama")
     sql = make_adapter(model, tmp_path / "sql", "LoraConfig", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
     old = warmstart("build", str(model), "--dtype", "float32", "--lora", str(sql), "--json", env=env)

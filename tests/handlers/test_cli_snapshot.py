@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-
-def warmstart(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "WARMSTART_STORE": str(tmp_path / "store"), "WARMSTART_CACHE": str(tmp_path / "cache"),
-            "OMP_NUM_THREADS": "1"}
-
-
-def last_json(proc: subprocess.CompletedProcess[str]) -> dict:  # type: ignore[type-arg]
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from tests.support.cli import last_json, warmstart
 
 
 def test_build_inspect_tag_ls_gc(tiny_model_dir, tmp_path: Path, env: dict[str, str]) -> None:

@@ -20,7 +20,7 @@ from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from runtime.layers.activation import silu_and_mul as silu_and_mul_reference  # noqa: E402
 from runtime.layers.norm import add_rms_norm as fused_add_rms_norm_reference  # noqa: E402
 from runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
-from tests.test_import_chain import imported_after  # noqa: E402
+from tests.support.imports import imported_after  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

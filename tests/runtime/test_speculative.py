@@ -17,8 +17,8 @@ from runtime.engine.sampler import Sampler
 from runtime.engine.sequence import Sequence
 from runtime.engine.speculative import adapt_k, ngram_continuation
 from runtime.random_model import make_random_model, perturb_model
-from tests.runtime.test_engine_matches_transformers import make_prompts
 from tests.support.model_configs import FAMILIES
+from tests.support.prompts import make_prompts
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -17,28 +17,10 @@ import pytest
 from runtime import LLM, SamplingParams
 from runtime.engine.structured import GrammarError, check_grammar
 from runtime.structured_outputs import StructuredOutputsParams
+from tests.support.schemas import PERSON_SCHEMA
 
 # Nested objects, arrays, enums and required fields, every string and number bounded so that a random model
 # (which almost never picks a closing quote) finishes within max_tokens.
-PERSON_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 6},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "role", "address", "tags", "active"],
-    "additionalProperties": False,
-}
 PROMPT = "Describe a person as JSON:"
 
 

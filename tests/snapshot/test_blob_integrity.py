@@ -24,8 +24,8 @@ from snapshot.s3 import S3Store
 from snapshot.store import LocalStore, Store
 from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
 from snapshot.verify import verify_cache, verify_snapshot
-from tests.snapshot.test_pull import Built
 from tests.support.aws import isolate_aws
+from tests.support.blobs import Built
 
 _buckets = itertools.count()
 

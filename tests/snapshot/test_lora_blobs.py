@@ -22,27 +22,7 @@ from snapshot.store import LocalStore, Store
 from snapshot.stores import open_store
 from snapshot.transfer import push_snapshot
 from tests.support.aws import isolate_aws
-from tests.support.peft_reference import make_adapter
-
-LORAS = {"sql": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
-         "chat": {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["o_proj", "gate_proj", "down_proj"]},
-         "math": {"r": 2, "lora_alpha": 4, "target_modules": ["k_proj", "up_proj"]}}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> Path:  # type: ignore[no-untyped-def]
-    return tiny_model_dir("llama")  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-def loras(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("loras")
-    return {name: make_adapter(model_dir, root / name, "LoraConfig", seed=i, **opts)
-            for i, (name, opts) in enumerate(LORAS.items())}
-
-
-def specs(loras: dict[str, Path], *names: str) -> list[AdapterSpec]:
-    return [AdapterSpec(n, loras[n]) for n in names]
+from tests.support.lora_adapters import specs
 
 
 def a_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Store:

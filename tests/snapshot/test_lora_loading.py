@@ -13,11 +13,11 @@ from snapshot.cache import BlobCache
 from snapshot.loader import load
 from snapshot.store import LocalStore
 from snapshot.transfer import push_snapshot
-from tests.snapshot.test_lora_blobs import loras, model_dir, specs  # noqa: F401 (fixtures)
+from tests.support.lora_adapters import specs
 from tests.support.peft_reference import assert_matches_peft
 
 
-def test_the_loader_registers_each_adapter_and_decodes_as_peft(model_dir: Path, loras: dict[str, Path],  # noqa: F811
+def test_the_loader_registers_each_adapter_and_decodes_as_peft(model_dir: Path, loras: dict[str, Path],
                                                                tmp_path: Path) -> None:
     cache = BlobCache(tmp_path / "build-cache")
     built = build_snapshot(model_dir, BuildOptions(dtype="float32", loras=specs(loras, "sql", "chat")), cache)
@@ -50,7 +50,7 @@ class HeldStore(LocalStore):
 
 
 def test_a_cold_start_leaves_lora_blobs_in_the_store_until_an_adapter_is_paged_in(
-        model_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+        model_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
     built = build_snapshot(model_dir, BuildOptions(dtype="float32", loras=specs(loras, "sql", "chat")),
                            BlobCache(tmp_path / "build-cache"))
     blobs = {e["name"]: e["blob"] for e in built.manifest.data["loras"]}

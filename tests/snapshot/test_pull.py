@@ -7,7 +7,6 @@ import errno
 import http.server
 import io
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -29,41 +28,19 @@ from snapshot.gc import gc
 from snapshot.progress import Progress
 from snapshot.refs import resolve_ref
 from snapshot.s3 import S3Store
-from snapshot.store import LocalStore, Store
+from snapshot.store import LocalStore
 from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
 from tests.support.aws import isolate_aws
+from tests.support.blobs import SIZES, Built
 
 REPO = Path(__file__).resolve().parents[2]
 PART = 64 << 10
-SIZES = (300_000, 700_001, (1 << 20) + 1, 0, 5)
 
 
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     isolate_aws(monkeypatch, tmp_path)
     monkeypatch.setattr(transfer_module, "BACKOFF_SECONDS", 0.001)
-
-
-class Built:
-    """Blob files and a manifest listing them, as a build leaves them."""
-
-    def __init__(self, root: Path, sizes: tuple[int, ...] = SIZES, seed: int = 0, extra: bytes = b"") -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        rng = random.Random(seed)
-        self.paths: dict[str, Path] = {}
-        for size in sizes:
-            data = rng.randbytes(size) + extra if size else extra
-            path = root / f"tmp-{len(self.paths)}"
-            path.write_bytes(data)
-            bid = blob_id(data)
-            self.paths[bid] = path.rename(root / bid)
-        self.sizes = {bid: path.stat().st_size for bid, path in self.paths.items()}
-        self.manifest = Manifest({"format": FORMAT, "format_version": FORMAT_VERSION, "blobs": self.sizes,
-                                  "seed": seed}).encode()
-        self.id = blob_id(self.manifest)
-
-    def push(self, store: Store) -> None:
-        push_snapshot(store, self.manifest, self.id, self.paths)
 
 
 class CountingStore(LocalStore):
