@@ -24,7 +24,8 @@ PYTHON_VERSION = "3.11"  # of the images: the version the project is tested with
 TORCH_REQUIREMENT = "torch==2.13.0"  # the build the tests run against (Makefile's TORCH); CUDA wheels on Linux
 RUNPOD_REQUIREMENT = "runpod>=1.7"
 CLOUD_RUN_GPUS = ("nvidia-l4", "nvidia-rtx-pro-6000")
-DEVICE = "cuda"  # what the instances' `warmstart serve --device` is given
+DEVICE = "cuda"  # what the instances' `warmstart serve --device` is given, unless docker is rendered for the CPU
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's CPU-only wheels: a fraction of the CUDA build
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when run from one (else site-packages)
 NAME = re.compile(r"^[a-z]([-a-z0-9]{0,47}[a-z0-9])?$")  # DNS-1035 label, short enough for every platform
 
@@ -41,7 +42,7 @@ class Platform:
 IMAGE_FILES = (("docker/Dockerfile.j2", "Dockerfile"),)
 PLATFORMS: dict[str, Platform] = {
     "docker": Platform("a container image running `warmstart serve`", IMAGE_FILES,
-                       "docker build -f {out}/Dockerfile -t {image} . && docker run --gpus all -p {port}:{port} "
+                       "docker build -f {out}/Dockerfile -t {image} . && docker run {gpus_flag}-p {port}:{port} "
                        "-v warmstart-cache:{cache_dir}{store_mount} {image}", needs_s3=False),
     "cloudrun": Platform("Google Cloud Run service with a GPU", (("cloudrun/service.yaml.j2", "service.yaml"),
                                                                  *IMAGE_FILES),
@@ -75,8 +76,12 @@ def add_command(sub: Any) -> None:
                        description=f"Platforms: {', '.join(PLATFORMS)}.")
     p.add_argument("platform", metavar="PLATFORM", help=f"one of: {', '.join(PLATFORMS)}")
     p.add_argument("--snapshot", metavar="REF", help="snapshot id, unique id prefix or ref name (pinned to its id)")
-    p.add_argument("--store", metavar="URI", help="s3://BUCKET/PREFIX the instances read (default $WARMSTART_STORE)")
+    p.add_argument("--store", metavar="URI", help="s3://BUCKET/PREFIX the instances read (default $WARMSTART_STORE; "
+                   "docker: else the local store, ~/.cache/warmstart/store, mounted into the container read-only)")
     p.add_argument("--gpu", metavar="TYPE", help="GPU type (cloudrun: nvidia-l4; aws: ml.g5.xlarge; modal: L4)")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="docker: cpu renders an image that serves on the CPU (PyTorch's CPU wheel, no GPU asked of "
+                        "docker run); every platform runs on a GPU by default (cuda)")
     p.add_argument("--min-instances", type=non_negative_int, default=0, metavar="N",
                    help="instances kept warm (default 0: scale to zero)")
     p.add_argument("--max-instances", type=positive_int, default=4, metavar="N", help="(default 4)")
@@ -101,8 +106,10 @@ def cmd_template(args: argparse.Namespace) -> int:
     platform = PLATFORMS.get(args.platform)
     if platform is None:
         raise CliError(f"unknown platform {args.platform!r}; expected one of: {', '.join(PLATFORMS)}")
-    store_uri = args.store or os.environ.get("WARMSTART_STORE")
-    missing = [flag for flag, value in (("--snapshot REF", args.snapshot), ("--store URI", store_uri)) if not value]
+    store_uri = args.store or os.environ.get("WARMSTART_STORE") or (None if platform.needs_s3 else local_store())
+    missing = [flag for flag, value in (("--snapshot REF", args.snapshot),
+                                        ("--store URI (an s3://BUCKET/PREFIX store its instances can read)", store_uri))
+               if not value]
     if args.platform == "kserve" and not args.role_arn:
         missing.append("--role-arn ARN (the IAM role for IRSA)")
     if missing or not store_uri:
@@ -140,6 +147,8 @@ def check_options(args: argparse.Namespace, platform: Platform) -> None:
                        "ml.g6.xlarge or ml.p4d.24xlarge")
     if args.min_instances > args.max_instances:
         raise CliError(f"--min-instances {args.min_instances} is more than --max-instances {args.max_instances}")
+    if args.device == "cpu" and args.platform != "docker":
+        raise CliError(f"--device cpu is for docker; {args.platform} instances run on a GPU (leave --device out)")
     if args.bake and IMAGE_FILES[0] not in platform.files:
         raise CliError(f"--bake is for platforms that run warmstart's serving image ({', '.join(IMAGE_PLATFORMS)}); "
                        f"not {args.platform}")
@@ -168,6 +177,7 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
     except (StoreError, FormatError) as e:
         raise CliError(str(e)) from None
     gpu = args.gpu or platform.default_gpu
+    device = args.device or DEVICE
     snapshot = args.snapshot.strip() if args.keep_ref else snapshot_id
     prefix = parsed.path.strip("/")
     cache_dir = "/cache"
@@ -202,9 +212,12 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         "concurrency": args.concurrency,
         "port": PORT,
         "cache_dir": cache_dir,
-        # Every platform here runs on a GPU: `cuda` makes an instance without a usable one fail at start, saying
-        # so, rather than serve on its CPU (`auto` would); the images read it as WARMSTART_DEVICE.
-        "device": DEVICE,
+        # On a GPU (every platform but a docker image rendered with --device cpu), `cuda` makes an instance without
+        # a usable one fail at start, saying so, rather than serve on its CPU (`auto` would); the images read it
+        # as WARMSTART_DEVICE.
+        "device": device,
+        "gpus_flag": "--gpus all " if device == "cuda" else "",
+        "torch_index": CPU_TORCH_INDEX if device == "cpu" else "",
         "cache_size": "16Gi",
         "cpu": 8,
         "memory": "32Gi",
@@ -228,6 +241,13 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
         "dockerfile_path": "Dockerfile",
         "handler_path": "handler.py",
     }
+
+
+def local_store() -> str:
+    """The store the other commands use when none is named: the local one, which docker mounts."""
+    from snapshot.store import default_store_dir
+
+    return str(default_store_dir())
 
 
 def requirements() -> list[str]:

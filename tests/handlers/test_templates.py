@@ -167,6 +167,8 @@ def test_human_output_names_the_files_and_the_deploy_command(s3_env: dict[str, s
         (["template", "runpod", "--snapshot", "latest", "--store", STORE, "--bake"], "--bake is for platforms"),
         (["template", "knative", "--snapshot", "latest", "--store", STORE, "--name", "My_Svc"], "not a valid name"),
         (["template", "docker", "--snapshot", "latest", "--store", "LOCAL", "--bake"], "cannot read the local store"),
+        (["template", "cloudrun", "--snapshot", "latest", "--store", STORE, "--device", "cpu"],
+         "--device cpu is for docker"),
     ],
 )
 def test_bad_requests_are_one_clear_sentence(s3_env: dict[str, str], tmp_path: Path, args: list[str],
@@ -177,6 +179,29 @@ def test_bad_requests_are_one_clear_sentence(s3_env: dict[str, str], tmp_path: P
     assert proc.returncode == 1, proc.stdout
     assert proc.stderr.startswith("warmstart: error:") and "Traceback" not in proc.stderr
     assert message in proc.stderr
+
+
+def test_docker_for_the_cpu_from_the_local_default_store(tiny_model_dir, tmp_path: Path) -> None:
+    """With no --store and no $WARMSTART_STORE, docker renders from the store every other command defaults to (it
+    mounts it); --device cpu gives an image with PyTorch's CPU wheel that asks docker run for no GPU."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home"),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("WARMSTART_STORE", "WARMSTART_CACHE"):
+        env.pop(name, None)
+    built = warmstart("build", tiny_model_dir("llama"), "--dtype", "float32", "--tag", "latest", "--json", env=env)
+    assert built.returncode == 0, built.stderr
+    store = Path(json.loads(built.stdout.strip().splitlines()[-1])["store"])
+    assert tmp_path in store.parents
+    proc = warmstart("template", "docker", "--snapshot", "latest", "--device", "cpu", "--out", tmp_path / "out",
+                     "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    deploy = json.loads(proc.stdout.strip().splitlines()[-1])["deploy"]
+    assert f"-v {store}:/store:ro" in deploy and "--gpus" not in deploy
+    dockerfile = tmp_path / "out" / "Dockerfile"
+    assert hadolint(dockerfile).returncode == 0, hadolint(dockerfile).stdout
+    build_stage, final = dockerfile.read_text().split("\nFROM ")[1:][0], dockerfile.read_text().split("\nFROM ")[-1]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in build_stage
+    assert "WARMSTART_DEVICE=cpu" in final and "gcc" not in final
 
 
 def test_an_unreachable_store_is_a_clear_error(s3_env: dict[str, str], tmp_path: Path) -> None:
