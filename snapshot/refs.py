@@ -45,4 +45,7 @@ def resolve_ref(store: Store, ref: str) -> str:
         hint += f"snapshots: {', '.join(s[:12] for s in snapshots[:10])}{' ...' if len(snapshots) > 10 else ''}"
     else:
         hint += "no snapshots"
-    raise NotFound(f"no snapshot or ref {ref!r} in {store.uri}{short}; {hint.rstrip('; ')}")
+    build = "build one with `warmstart build MODEL_DIR --tag NAME`"
+    if "/" in ref and not ref.startswith(("/", ".")):
+        build += " (for a hub id, download it first: `huggingface-cli download ID --local-dir DIR`)"
+    raise NotFound(f"no snapshot or ref {ref!r} in {store.uri}{short}; {hint.rstrip('; ')}; {build}")

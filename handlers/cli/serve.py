@@ -31,7 +31,9 @@ from handlers.server.timeline import Timeline, print_json_line
 
 def add_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve a snapshot over an OpenAI-compatible HTTP API")
-    serve.add_argument("ref", nargs="?", help="snapshot id, unique id prefix or ref name (or --model REF)")
+    serve.add_argument("ref", nargs="?", help="snapshot id, unique id prefix or ref name (or --model REF); or an HF "
+                       "model directory, built into the store first (for a fast cold start, build it once with "
+                       "`warmstart build DIR --tag NAME` and serve NAME)")
     serve.add_argument("--store", help="a directory, file://PATH or s3://BUCKET/PREFIX (default $WARMSTART_STORE)")
     serve.add_argument("--cache", type=Path, help="local blob cache (default $WARMSTART_CACHE)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -181,6 +183,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")
     key = api_key(args)
     kv_tier = kv_tier_options.config_from(args)
+    model_dir = model_dir_to_serve(args.ref)
+    if model_dir is not None and args.tensor_parallel > 1:
+        raise CliError(f"{args.ref} is a model directory; for --tensor-parallel build it first (`warmstart build "
+                       f"{args.ref} --tensor-parallel {args.tensor_parallel} --tag NAME`) and serve NAME")
     ranks = plan_ranks(args)
     if ranks.is_follower:
         return run_follower(args, engine_options)
@@ -202,8 +208,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        special_tokens_in_content=args.special_tokens_in_content, tenant_header=args.tenant_header)
 
     def load() -> None:
-        load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,
-                      device=args.device, kv_tier=kv_tier)
+        if model_dir is not None:
+            try:
+                state.ref = build_to_serve(model_dir, args.store, args.cache, timeline)
+            except CliError as e:
+                state.fail(str(e))
+        if state.status != "failed":
+            load_snapshot(state, args.store, args.cache, engine_options, ranks.world, args.collective_timeout,
+                          device=args.device, kv_tier=kv_tier)
         if state.status == "failed":
             print_json_line({"event": "error", "message": state.error})
             server.should_exit = True
@@ -306,3 +318,32 @@ def bind(host: str, port: int) -> socket.socket:
         raise CliError(f"cannot listen on {host}:{port}: {e.strerror} (pick another --port, or --port 0 for any "
                        "free one)") from None
     return sock
+
+
+def model_dir_to_serve(ref: str) -> Path | None:
+    """REF as an HF model directory (a config.json in it), which serve builds into the store first; else None."""
+    path = Path(ref).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
+def build_to_serve(model_dir: Path, store: str | None, cache: Path | None, timeline: Timeline) -> str:
+    """The one-step form of `serve DIR`: a snapshot of the directory built with the default options and pushed to
+    the store (a rebuild of unchanged inputs uploads nothing), its blobs left in the cache the load reads; returns
+    its id. Each build line is logged as a JSON event; the errors a user can cause come as one CliError."""
+    from handlers.cli.snapshots import user_errors
+
+    with user_errors():
+        from snapshot.build import BuildError, BuildOptions, build_snapshot
+        from snapshot.cache import BlobCache
+        from snapshot.stores import open_store
+        from snapshot.transfer import push_snapshot
+
+        target = open_store(store)
+        try:
+            built = build_snapshot(model_dir, BuildOptions(), BlobCache(cache),
+                                   log=lambda line: print_json_line({"event": "build", "message": line}))
+        except BuildError as e:
+            raise CliError(str(e)) from None
+        push_snapshot(target, built.manifest.encode(), built.id, built.blob_paths)
+    timeline.mark("build", snapshot_id=built.id, model_dir=str(model_dir), store=target.uri)
+    return built.id

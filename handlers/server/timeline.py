@@ -1,7 +1,8 @@
 """The cold start as a timeline: when each phase of this process's start-up ended, in seconds since it began.
 
 Phases, in the order they happen: process_start (0), imports (what serving needs before it can listen),
-listening (the socket is bound and answers /health), runtime_imports (torch and the loader, in the
+listening (the socket is bound and answers /health), build (only when serve was given an HF model directory:
+its snapshot built into the store, in the loading thread), runtime_imports (torch and the loader, in the
 loading thread), manifest, blobs (present in the local cache, pulled or already there), device_copy (on a
 GPU: the weights are on it; with the bytes, the seconds spent copying and GB/s), mapped (the weights are in
 place), kernels (on the Triton path: every kernel of a prefill and a decode step called once, compiled or
@@ -26,6 +27,7 @@ PHASES = (
     "process_start",
     "imports",
     "listening",
+    "build",
     "runtime_imports",
     "manifest",
     "blobs",
