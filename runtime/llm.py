@@ -6,9 +6,12 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from runtime.engine.engine import LLMEngine
 from runtime.engine.input_processor import Prompt
 from runtime.engine.options import EngineOptions
+from runtime.engine.pooling import embed
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -26,6 +29,13 @@ class LLM:
         engine runs the Triton kernels and sizes its KV pool from ``gpu_memory_utilization`` of the GPU's memory.
         ``draft_model``: an HF directory for ``speculative="draft"``."""
         return cls(LLMEngine.from_hf(model_dir, EngineOptions.from_keywords(**options), draft_model, device))
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last", normalize: bool = True) -> list[torch.Tensor]:
+        """One embedding per prompt: its final hidden states pooled ("last" token or "mean") and, by default,
+        L2-normalized (see runtime/engine/pooling.py)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return embed(self.engine, list(prompts), pooling, normalize)  # type: ignore[arg-type]
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]

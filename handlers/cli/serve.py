@@ -41,6 +41,10 @@ def add_command(sub: Any) -> None:
     serve.add_argument("--served-model-name", help="the model name clients send (default: REF)")
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                        help="split a reasoning model's <think>...</think> into reasoning_content (as vLLM's parsers)")
+    serve.add_argument("--embedding-pooling", choices=("last", "mean"), default="last",
+                       help="how /v1/embeddings pools a prompt's final hidden states into one (L2-normalized) vector: "
+                            "its last token's, as vLLM pools decoder models, or the mean over its tokens (default "
+                            "last)")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                        help="the format tool calls are read from in chat replies (default: the one the chat "
                             "template shows: <tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> llama3_json)")
@@ -205,7 +209,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.body_timeout_seconds, args.sse_ping_seconds, args.allowed_origins, args.access_log)
     state = ServeState(args.ref, args.served_model_name or args.ref, timeline, limits, url=url,
                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                       special_tokens_in_content=args.special_tokens_in_content, tenant_header=args.tenant_header)
+                       special_tokens_in_content=args.special_tokens_in_content, tenant_header=args.tenant_header,
+                       embedding_pooling=args.embedding_pooling)
 
     def load() -> None:
         if model_dir is not None:

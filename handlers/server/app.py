@@ -2,9 +2,9 @@
 
 Routes: GET /health (503 until the engine is ready, then 200), GET /status (the cold-start timeline and
 what is served), GET /metrics (Prometheus), GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-(handlers/server/lora_routes.py); and SageMaker's container contract: GET /ping (as /health)
-and POST /invocations (a chat completion). Every response has an X-Request-Id (see handlers.server.middleware).
+POST /v1/responses, POST /v1/embeddings, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (handlers/server/lora_routes.py); and SageMaker's container contract: GET /ping (as
+/health) and POST /invocations (a chat completion). Every response has an X-Request-Id (see handlers.server.middleware).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from handlers.openai.requests import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
-from handlers.server import lora_routes, responses_api, tokenize_api
+from handlers.server import embeddings_api, lora_routes, responses_api, tokenize_api
 from handlers.server.metrics import CONTENT_TYPE
 from handlers.server.middleware import RequestContext, add_cors
 from handlers.server.prompt_batch import serve_prompts, split_prompts
@@ -127,6 +127,12 @@ def create_app(state: ServeState) -> Starlette:
     async def chat(request: Request) -> Response:
         return await generate(request, parse_chat)
 
+    async def embeddings(request: Request) -> Response:
+        service = state.ready_service()
+        raw = await read_body(request, state.limits)
+        return JSONResponse(await embeddings_api.embeddings(service, parse_json(raw), state.embedding_pooling,
+                                                            state.model_name))
+
     async def load_lora(request: Request) -> Response:
         return await lora_routes.load_lora_adapter(state, parse_json(await read_body(request, state.limits)))
 
@@ -141,6 +147,7 @@ def create_app(state: ServeState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
         Route("/tokenize", tokenizing(tokenize_api.tokenize), methods=["POST"]),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import PlainTextResponse, Response
 
 from handlers.openai.requests import APIError, bad
+from handlers.server.service import on_engine
 
 if TYPE_CHECKING:
     from handlers.server.state import ServeState
@@ -92,11 +93,6 @@ async def unload_lora_adapter(state: ServeState, body: Any) -> Response:
         del service.model.adapters[name]
         del state.loras[name]
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-async def on_engine(llm: AsyncLLM, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on the engine's step-loop thread, between steps: the engine is not thread-safe."""
-    return await llm._call(fn)
 
 
 async def lora_stats(llm: AsyncLLM) -> LoraStats | None:

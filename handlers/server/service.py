@@ -251,3 +251,8 @@ async def _disconnect(receive: Receive) -> None:
     message: dict[str, Any] = {}
     while message.get("type") != "http.disconnect":
         message = dict(await receive())
+
+
+async def on_engine(llm: AsyncLLM, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on the engine's step-loop thread, between steps: the engine is not thread-safe."""
+    return await llm._call(fn)

@@ -59,6 +59,7 @@ class ServeState:
     tool_call_parser: str | None = None  # --tool-call-parser (handlers/openai/tool_calls.py); None: from the template
     special_tokens_in_content: bool = False  # --special-tokens-in-content (runtime/chat_content.py)
     tenant_header: str | None = None  # --tenant-header: each tenant's requests in a prefix cache chain of their own
+    embedding_pooling: str = "last"  # --embedding-pooling: last or mean (runtime/engine/pooling.py)
     # LoRA adapters served (the snapshot's, and those loaded by POST /v1/load_lora_adapter): name -> summary
     loras: dict[str, dict[str, Any]] = field(default_factory=dict)
     lora_source: LoraSource | None = None  # where /v1/load_lora_adapter fetches adapters: the snapshot's store

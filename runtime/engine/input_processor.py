@@ -58,11 +58,7 @@ class InputProcessor:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.live_request_ids or f"{request_id}#1" in self.live_request_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt)
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            bad = next(t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        token_ids = self.prompt_token_ids(prompt)
         prefix = self.resolve_adapter(adapter, token_ids)
         if prefix is not None:
             token_ids = prefix.token_ids + token_ids
@@ -88,6 +84,15 @@ class InputProcessor:
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         return seq
+
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (text tokenized), each checked to be in the vocabulary."""
+        token_ids = self.tokenize(prompt)
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            bad = next(t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return token_ids
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

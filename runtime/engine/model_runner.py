@@ -196,11 +196,13 @@ class ModelRunner:
         chunks: list[Chunk],
         copies: list[tuple[int, int]] | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Write the chunks' KV into the pool; return float32 logits for each chunk's last ``num_logits``
-        tokens, in chunk order. One token over a cached prefix is a decode; more are attended causally.
-        ``copies``: (source, destination) blocks copied first (adapters' partial blocks, see the block
-        manager); ``inputs_embeds`` replaces the tokens' embeddings (soft prompts, at build time)."""
+        tokens, in chunk order (with ``hidden``: their final hidden states). One token over a cached prefix is a
+        decode; more are attended causally. ``copies``: (source, destination) blocks copied first (adapters'
+        partial blocks, see the block manager); ``inputs_embeds`` replaces the tokens' embeddings (soft prompts,
+        at build time)."""
         copies = copies or []
         bs = self.block_size
         input_ids: list[int] = []
@@ -239,7 +241,7 @@ class ModelRunner:
 
         highest_block = max(max(c.block_table) for c in chunks)
         lora = self.loras.step(row_slots) if self.loras is not None and max(row_slots) >= 0 else None
-        if (self.graphs is not None and inputs_embeds is None and lora is None
+        if (self.graphs is not None and inputs_embeds is None and lora is None and not hidden
                 and len(decode_chunks) == len(chunks) == len(input_ids)):
             self._prepare(highest_block, copies)
             copies = []
@@ -257,16 +259,20 @@ class ModelRunner:
             block_copies=list(copies),
             lora=lora,
         )
-        return self.execute(step, inputs_embeds)
+        return self.execute(step, inputs_embeds, hidden)
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Prepare the pool for the step and run it; returns the logits of ``step.logits_index``'s rows."""
+    def execute(
+        self, step: StepInputs, inputs_embeds: torch.Tensor | None = None, hidden: bool = False
+    ) -> torch.Tensor:
+        """Prepare the pool for the step and run it; returns the logits of ``step.logits_index``'s rows (with
+        ``hidden``, their final hidden states: never on a tensor-parallel group, whose followers compute logits)."""
         if self.before_step is not None:
+            assert not hidden, "a tensor-parallel group computes logits only"
             self.before_step(step)
         self._prepare(step.highest_block, step.block_copies)
         return self.model.forward(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_index,
-                                  inputs_embeds=inputs_embeds, lora=step.lora)
+                                  inputs_embeds=inputs_embeds, lora=step.lora, hidden=hidden)
 
     def _prepare(self, highest_block: int, copies: list[tuple[int, int]]) -> None:
         self._zero_new_blocks(highest_block)

@@ -63,15 +63,17 @@ class Model:
         logits_index: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
         lora: LoraStep | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index``.
+        """Run the flat batch, write its K/V, and return float32 logits for the rows in ``logits_index`` (with
+        ``hidden``: their final hidden states, after the final norm, which embeddings pool).
 
         ``inputs_embeds`` replaces the embedding lookup of ``input_ids`` (soft prompts, at build time); ``lora``
         adds each row's LoRA adapter after the four fused linears (runtime/layers/lora.py)."""
         # Triton launches a kernel on the calling thread's current CUDA device, whatever device its tensors are
         # on, and the threads that step the engine never chose one (so cuda:0): make the model's current here.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
-            return self._forward(input_ids, positions, kv_caches, meta, logits_index, inputs_embeds, lora)
+            return self._forward(input_ids, positions, kv_caches, meta, logits_index, inputs_embeds, lora, hidden)
 
     def _forward(
         self,
@@ -82,6 +84,7 @@ class Model:
         logits_index: torch.Tensor,
         inputs_embeds: torch.Tensor | None,
         lora: LoraStep | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         c, w, ops = self.config, self.weights, self.ops
 
@@ -92,7 +95,8 @@ class Model:
         n = input_ids.shape[0]
         eps = c.rms_norm_eps
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
-        fused = self.fused_decode if lora is None and self.fused_decode and self.fused_decode.serves(n, meta) else None
+        fused = (self.fused_decode if not hidden and lora is None and self.fused_decode
+                 and self.fused_decode.serves(n, meta) else None)
         if fused is not None:
             if logits_index.numel() == n:  # every row's logits, in order (a decode row has one at most)
                 logits = fused.logits(x.contiguous(), positions, kv_caches, meta)
@@ -123,6 +127,8 @@ class Model:
                 attn, x, rows = attn[logits_index], x[logits_index], None
             h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
             x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
+        if hidden:
+            return ops.rms_norm(x if rows is None else x[rows], w.norm, eps).float()
         return self._logits(x, rows)
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
