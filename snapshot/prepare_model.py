@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshot.progress import bars_on_terminal_only
+
 READY_MARK = ".prepared"  # written last: a directory without it is an interrupted conversion
 
 
@@ -107,19 +109,20 @@ def convert_gguf(gguf_file: Path, model_dir: Path) -> None:
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=model_dir.name + ".tmp-", dir=model_dir.parent))
     try:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                         dtype=torch.float32)
-        except (ValueError, OSError, KeyError, ImportError) as e:
-            raise PrepareError(f"transformers cannot read {gguf_file}: {e}") from None
-        # The tensors are dequantized already; without the quantizer record transformers saves them as usual.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.architectures = [type(model).__name__]
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with bars_on_terminal_only():
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+                model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                             dtype=torch.float32)
+            except (ValueError, OSError, KeyError, ImportError) as e:
+                raise PrepareError(f"transformers cannot read {gguf_file}: {e}") from None
+            # The tensors are dequantized already; without the quantizer record transformers saves them as usual.
+            model.hf_quantizer = None  # type: ignore[assignment]
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.config.architectures = [type(model).__name__]
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         (tmp / READY_MARK).write_text(f"{gguf_file.name}\n")
         if model_dir.exists():  # an interrupted earlier conversion (no READY_MARK): replaced
             shutil.rmtree(model_dir)

@@ -1,10 +1,13 @@
-"""Progress of a push or a pull on the terminal."""
+"""Progress of a push or a pull on the terminal, and other libraries' progress bars kept to the terminal."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -66,3 +69,27 @@ def as_progress(progress: bool | Progress | None, desc: str) -> Progress:
     if isinstance(progress, Progress):
         return progress
     return Progress(desc, quiet=not progress)
+
+
+@contextlib.contextmanager
+def bars_on_terminal_only() -> Iterator[None]:
+    """Other libraries' tqdm bars (transformers converting a GGUF) on stderr only when it is a terminal: in a log
+    their carriage-return redraws pile up. What they write without a carriage return (warnings) goes through."""
+    if getattr(sys.stderr, "isatty", lambda: False)():
+        yield
+        return
+    with contextlib.redirect_stderr(_WithoutRedraws(sys.stderr)):
+        yield
+
+
+class _WithoutRedraws(io.TextIOBase):
+    def __init__(self, out: Any) -> None:
+        self.out = out
+
+    def write(self, text: str) -> int:
+        if "\r" not in text and text.strip():
+            self.out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()

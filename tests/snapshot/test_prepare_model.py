@@ -137,6 +137,8 @@ def test_cli_prints_the_directory_and_reports_errors_in_one_line(tiny_gguf: Path
     ok = subprocess.run([*cmd, "--gguf", str(tiny_gguf)], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == str(tmp_path / "m")
+    # stderr is no terminal here: transformers' progress bars (carriage-return redraws) stay out of it
+    assert "\r" not in ok.stderr and "de-quantizing" not in ok.stderr, ok.stderr[-500:]
     missing = subprocess.run([*cmd[:-1], str(tmp_path / "n"), "--gguf", str(tmp_path / "absent.gguf")],
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1
