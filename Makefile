@@ -18,22 +18,23 @@ SOURCES := pyproject.toml setup.py runtime/kernels/cpu_attention.c runtime/kerne
 
 venv: $(STAMP)
 
-# The test extra holds the build extra, so a test install serves `make demo` too.
-$(STAMP): $(SOURCES)
+# The venv with torch and warmstart installed editable with the extra $(1).
+define install
 	@test -n "$(PYTHON)" || { echo "python3.11 (or python3) not found on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[$(1)]'
+endef
+
+# The test extra holds the build extra, so a test install serves `make demo` too.
+$(STAMP): $(SOURCES)
+	$(call install,test)
 	rm -f $(VENV)/.installed-*
 	touch $@ $(RUN_STAMP)
 
 $(RUN_STAMP): $(SOURCES)
-	@test -n "$(PYTHON)" || { echo "python3.11 (or python3) not found on PATH"; exit 1; }
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e '.[build]'
+	$(call install,build)
 	rm -f $(VENV)/.installed-run-*
 	touch $@
 

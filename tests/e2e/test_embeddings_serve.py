@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from runtime import LLM
-from tests.support.serving import KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot
+from tests.support.serving import KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_side_by_side
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog while the cat sleeps by the warm fire", "Hi"]
 
@@ -30,15 +30,10 @@ def snap(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TinySnaps
 
 @pytest.fixture(scope="module")
 def servers(snap: TinySnapshot) -> Iterator[dict[str, ServerProcess]]:
-    started = {pooling: ServerProcess(snap, "--num-kv-blocks", "64", "--max-model-len", "256",
-                                      "--embedding-pooling", pooling) for pooling in ("last", "mean")}
-    try:
-        for server in started.values():
-            server.wait_for("ready")
+    with ready_side_by_side({pooling: ServerProcess(snap, "--num-kv-blocks", "64", "--max-model-len", "256",
+                                                    "--embedding-pooling", pooling)
+                             for pooling in ("last", "mean")}) as started:
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def client(server: ServerProcess) -> openai.OpenAI:
