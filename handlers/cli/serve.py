@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from handlers.cli import vllm_flags
 from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
@@ -134,7 +135,7 @@ CUT_MARGIN_SECONDS = 5.0  # after the grace period, for requests ended with an e
 # After that, the KV tier's queued writes (state.shutdown: 5 s at most) and a last margin: then the process exits,
 # whatever its threads are doing (a KV tier read stuck on an unreachable S3).
 EXIT_MARGIN_SECONDS = 5.0 + 2.0
-EXIT_LINGER_SECONDS = 2.0  # once "stopped" (or the error) is printed, threads left in I/O are not waited for longer
+EXIT_LINGER_SECONDS = 2.0  # once a failed load's error is printed, threads left in I/O are not waited for longer
 
 
 def origin_list(value: str) -> tuple[str, ...]:
@@ -286,8 +287,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(state.error or "the snapshot failed to load")
     print_json_line({"event": "stopped", "seconds": round(timeline.elapsed(), 4),
                      **({"follower_exit_codes": follower_codes} if follower_codes else {})})
-    exit_within(EXIT_LINGER_SECONDS, 0, "stopped")
-    return 0
+    exit_now(0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a stopped server's process with ``code`` at once: every request is done and what must be kept is
+    written (state.shutdown flushed the KV tier's queue). The interpreter's teardown is skipped: stopped while the
+    weights' background prepacking was still inside oneDNN, its C++ teardown aborted the process (SIGABRT, exit
+    134) instead of exiting 0."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def exit_within(seconds: float, code: int, why: str) -> None:
