@@ -248,11 +248,15 @@ class LLMEngine:
         if tier_link is not None:
             tier_link.poll(wait_s=0.0 if self.scheduler.running else TIER_IDLE_WAIT_S)
         batch = self.scheduler.schedule()
-        failed = self.admission.take_failed()
-        aborted = [self.abort(seq.choice_of or seq.request_id) for seq in failed
-                   if seq.request_id in self.outputs.requests and not seq.is_finished]
-        outputs = [out for out in aborted if out is not None]
-        return outputs + self._step_batch(batch) if batch.seqs else outputs
+        if self.admission.lora_load_failed:
+            return self._abort_failed_loads() + (self._step_batch(batch) if batch.seqs else [])
+        return self._step_batch(batch) if batch.seqs else []
+
+    def _abort_failed_loads(self) -> list[RequestOutput]:
+        """End the requests whose adapter failed to load at admission (engine.loras.stats says why)."""
+        ended = [self.abort(seq.choice_of or seq.request_id) for seq in self.admission.take_failed()
+                 if seq.request_id in self.outputs.requests and not seq.is_finished]
+        return [out for out in ended if out is not None]
 
     def _step_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         if self.speculation is not None:
@@ -308,8 +312,6 @@ class LLMEngine:
             seq.status, seq.finish_reason = Status.FINISHED, reason
         else:
             self.scheduler.finish(seq, reason)
-
-    # -- for readers ------------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
         """What this engine was started with and holds, for readers (the server's info and /v1/models)."""

@@ -43,8 +43,9 @@ def embed(engine: LLMEngine, prompts: Seq[Prompt], pooling: str = "last", normal
     budget = engine.options.max_num_batched_tokens
     start = 0
     while start < len(token_lists):
-        end = start + 1
-        while end < len(token_lists) and sum(map(len, token_lists[start : end + 1])) <= budget:
+        end, tokens = start + 1, len(token_lists[start])
+        while end < len(token_lists) and tokens + len(token_lists[end]) <= budget:
+            tokens += len(token_lists[end])
             end += 1
         vectors += _pass(engine, token_lists[start:end], pooling)
         start = end
