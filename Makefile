@@ -44,7 +44,10 @@ demo: $(RUN_STAMP)
 lint: venv
 	$(BIN)/ruff check .
 
+# mypy names modules after their folders; it checks ours under their installed names through links.
 typecheck: venv
+	mkdir -p build/typecheck/warmstart
+	for folder in runtime snapshot handlers; do ln -sfn ../../../$$folder build/typecheck/warmstart/$$folder; done
 	$(BIN)/mypy
 
 # The paths an AVX2-only CPU takes, on a CPU with more: our kernels, oneDNN and ATen all held to AVX2.
@@ -52,7 +55,7 @@ AVX2_ONLY := WARMSTART_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=
 
 test: venv lint typecheck
 	$(BIN)/pytest -q
-	if $(BIN)/python -c "import sys; from runtime.kernels import isa; sys.exit(not isa.at_least('avx512'))"; then \
+	if $(BIN)/python -c "import sys; from warmstart.runtime.kernels import isa; sys.exit(not isa.at_least('avx512'))"; then \
 		$(AVX2_ONLY) $(BIN)/pytest -q -p no:cacheprovider tests/runtime -m "not kernels"; fi
 
 # The instruction-set-sensitive tests again on emulated CPUs below this one (.ci/emulate-cpu: qemu-user, installed
@@ -65,7 +68,7 @@ ISA_TESTS := $(addprefix tests/runtime/,test_cpu_attention.py test_cpu_gemv.py t
 
 test-emulated: venv
 	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-emulated: qemu-user emulates x86-64 CPUs; nothing to do here"; exit 0; fi; \
-	for cpu in $$($(BIN)/python -c "from runtime.kernels import isa; print(*['avx2'] * isa.at_least('avx512'), 'sse')"); do \
+	for cpu in $$($(BIN)/python -c "from warmstart.runtime.kernels import isa; print(*['avx2'] * isa.at_least('avx512'), 'sse')"); do \
 		echo "== the instruction-set tests on an emulated $$cpu CPU"; \
 		.ci/emulate-cpu $$cpu $(BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not kernels" $(ISA_TESTS) || exit 1; \
 	done

@@ -66,7 +66,7 @@ def save_adapters(model: Path, out: Path) -> dict[str, Path]:
 
 
 def run_ours(llm: Any, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> float:
-    from runtime import SamplingParams
+    from warmstart.runtime import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
@@ -98,7 +98,7 @@ def run_peft(model: Path, paths: dict[str, Path], prompts: list[list[int]], max_
 
 
 def ttft(llm: Any, prompt: list[int], adapter: str | None) -> float:
-    from runtime import SamplingParams
+    from warmstart.runtime import SamplingParams
 
     t = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), adapter=adapter)[0]
@@ -121,11 +121,11 @@ def main() -> None:
 
     import torch
 
-    from runtime.models.config import ModelConfig
-    from snapshot.adapters import AdapterSpec
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.loader import load
+    from warmstart.runtime.models.config import ModelConfig
+    from warmstart.snapshot.adapters import AdapterSpec
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.loader import load
 
     model = bench_model_dir(args.config)
     vocab = ModelConfig.from_dir(model).vocab_size

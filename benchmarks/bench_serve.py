@@ -247,7 +247,7 @@ def server_command(system: str, port: int, model: Path, snapshot: str, work: Pat
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     common = ["--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN)]
     if system == "warmstart":
-        return [sys.executable, "-m", "handlers.cli", "serve", snapshot, "--store", str(work / "store"),
+        return [sys.executable, "-m", "warmstart.handlers.cli", "serve", snapshot, "--store", str(work / "store"),
                 "--cache", str(work / "cache"), *common, "--max-num-seqs", "64",
                 "--max-num-batched-tokens", "2048"], env
     env.update(VLLM_CPU_OMP_THREADS_BIND="0,1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",

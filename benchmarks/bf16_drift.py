@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_check import bench_model_dir, engine_on  # noqa: E402
-from runtime.engine.model_runner import Chunk  # noqa: E402
+from warmstart.runtime.engine.model_runner import Chunk  # noqa: E402
 
 BLOCK_SIZE = 16
 

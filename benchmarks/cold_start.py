@@ -114,7 +114,7 @@ def random_lora(model: Path, out: Path, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from runtime.models.config import ModelConfig
+    from warmstart.runtime.models.config import ModelConfig
 
     c = ModelConfig.from_dir(model)
     shapes = {"self_attn.q_proj": (c.hidden_size, c.q_size), "self_attn.k_proj": (c.hidden_size, c.kv_size),
@@ -143,12 +143,12 @@ def prepare(config: Path, workdir: Path, s3_endpoint: str, loras: int = 0,
     ``loras`` random LoRA adapters, when asked: its id last, else None)."""
     import boto3
 
-    from runtime.tokenizer import Tokenizer
-    from snapshot.adapters import AdapterSpec
-    from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.stores import open_store
-    from snapshot.transfer import push_snapshot
+    from warmstart.runtime.tokenizer import Tokenizer
+    from warmstart.snapshot.adapters import AdapterSpec
+    from warmstart.snapshot.build import BuildOptions, PrefixSpec, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.stores import open_store
+    from warmstart.snapshot.transfer import push_snapshot
 
     model = bench_model_dir(config)
     system = text_of_tokens(Tokenizer(model), 2048)
@@ -188,7 +188,7 @@ def main() -> None:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    warmstart = [sys.executable, "-m", "handlers.cli", "serve"]
+    warmstart = [sys.executable, "-m", "warmstart.handlers.cli", "serve"]
     report: dict = {"floor_s": [], "models": {}}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -239,8 +239,8 @@ def main() -> None:
 def load_only(work: Path, system: str, sid: str, lora_sid: str, rounds: int, loras: int) -> None:
     """In this process: load each snapshot from the cache and serve one chat request behind its system prompt,
     alternating (which goes first alternates too); prints per-round differences, with adapters minus without."""
-    from runtime import SamplingParams
-    from snapshot.loader import load
+    from warmstart.runtime import SamplingParams
+    from warmstart.snapshot.loader import load
 
     params = SamplingParams(max_tokens=1, temperature=0)
     times: dict[str, list[tuple[float, float]]] = {sid: [], lora_sid: []}

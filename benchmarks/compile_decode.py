@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
+from warmstart.runtime import LLM, SamplingParams  # noqa: E402
 
 MODES = ("eager, prepacked (default)", "eager", "compiled", "compiled, dynamic=True")
 

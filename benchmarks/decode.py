@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.kernels import cpu_gemv  # noqa: E402
-from runtime.layers.linear import plain_weight  # noqa: E402
-from runtime.models.weights import LINEAR_FIELDS, ModelWeights  # noqa: E402
-from runtime.quant.packed_linear import PackedWeight  # noqa: E402
+from warmstart.runtime import LLM, SamplingParams  # noqa: E402
+from warmstart.runtime.kernels import cpu_gemv  # noqa: E402
+from warmstart.runtime.layers.linear import plain_weight  # noqa: E402
+from warmstart.runtime.models.weights import LINEAR_FIELDS, ModelWeights  # noqa: E402
+from warmstart.runtime.quant.packed_linear import PackedWeight  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = ("WARMSTART_LLAMACPP_PYTHON", Path("/work/peers/llamacpp/.venv/bin/python"))

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.layers.ops import TorchOps  # noqa: E402
+from warmstart.runtime import LLM, SamplingParams  # noqa: E402
+from warmstart.runtime.layers.ops import TorchOps  # noqa: E402
 
 
 def main() -> None:

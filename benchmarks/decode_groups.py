@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["WARMSTART_CPU_ATTENTION"] = "torch"
 
-import runtime.engine.model_runner as model_runner  # noqa: E402
+import warmstart.runtime.engine.model_runner as model_runner  # noqa: E402
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
+from warmstart.runtime import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -61,14 +61,14 @@ if not torch.cuda.is_available():  # the dry run proves the wiring under Triton'
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
-from runtime.engine.engine import LLMEngine  # noqa: E402
-from runtime.engine.model_runner import GRAPHS_ENV  # noqa: E402
-from runtime.engine.options import EngineOptions  # noqa: E402
-from runtime.models.config import ModelConfig  # noqa: E402
-from runtime.models.weights import ModelWeights, load_weights  # noqa: E402
-from runtime.random_model import make_random_model  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from warmstart.runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
+from warmstart.runtime.engine.engine import LLMEngine  # noqa: E402
+from warmstart.runtime.engine.model_runner import GRAPHS_ENV  # noqa: E402
+from warmstart.runtime.engine.options import EngineOptions  # noqa: E402
+from warmstart.runtime.models.config import ModelConfig  # noqa: E402
+from warmstart.runtime.models.weights import ModelWeights, load_weights  # noqa: E402
+from warmstart.runtime.random_model import make_random_model  # noqa: E402
+from warmstart.runtime.sampling_params import SamplingParams  # noqa: E402
 
 BENCH_MODELS = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")
 BENCH_CONFIGS = ROOT / "benchmarks" / "models"
@@ -182,10 +182,10 @@ def engine_vs_transformers(dry: bool, device: torch.device, deadline: float) -> 
 
 FIRST_CALL = """
 import json, sys, torch
-from runtime.models.config import ModelConfig
-from runtime.kernels import use_carried_cache
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.kernels import use_carried_cache
 use_carried_cache()
-from runtime.models.kernel_warmup import first_call_seconds
+from warmstart.runtime.models.kernel_warmup import first_call_seconds
 config = ModelConfig.from_dir(sys.argv[1])
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 print(json.dumps(first_call_seconds(config, getattr(torch, sys.argv[2]), device)))
@@ -269,7 +269,7 @@ def host_to_device(device: torch.device) -> dict:
     use it), then 1 GB in 16 pageable tensors through snapshot.device_copy's staged copy against plain `.to`."""
     if device.type != "cuda":
         return {"skipped": "no CUDA device"}
-    from snapshot.device_copy import copy_to_device
+    from warmstart.snapshot.device_copy import copy_to_device
 
     nbytes = 1_000_000_000
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

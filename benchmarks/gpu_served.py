@@ -140,10 +140,10 @@ def device_copy_rate(status: dict[str, Any]) -> float | None:
 
 def build(model_dir: Path, dtype: str, work: Path) -> tuple[str, Path, float]:
     """A snapshot of ``model_dir`` in a local directory store: (id, store, seconds)."""
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.stores import open_store
-    from snapshot.transfer import push_snapshot
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.stores import open_store
+    from warmstart.snapshot.transfer import push_snapshot
 
     start = time.perf_counter()
     built = build_snapshot(model_dir, BuildOptions(dtype=dtype), BlobCache(work / "build-cache"))
@@ -194,7 +194,7 @@ def greedy_vs_transformers(base: str, model_dir: Path, dtype: str, device: torch
                            prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from runtime.tokenizer import Tokenizer
+    from warmstart.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
@@ -288,7 +288,7 @@ def served_model(name: str, model_dir: Path, dry: bool, device: torch.device, en
         # Compiled kernels go where the product puts them (under the snapshot cache, or warmstart's own directory
         # under XDG_CACHE_HOME), both fresh here: the first server compiles, the second finds them.
         serve_env = {k: v for k, v in env.items() if k != "TRITON_CACHE_DIR"} | {"XDG_CACHE_HOME": str(work / "xdg")}
-        cmd = [sys.executable, "-m", "handlers.cli", "serve", sid, "--store", str(store), "--cache",
+        cmd = [sys.executable, "-m", "warmstart.handlers.cli", "serve", sid, "--store", str(store), "--cache",
                str(work / "cache"), "--device", device.type, "--max-queue", "1024"]
         if device.type == "cuda":
             cmd += ["--gpu-memory-utilization", GPU_MEMORY_UTILIZATION]

@@ -52,10 +52,10 @@ def model_dir(given: Path | None) -> Path:
 
 
 def build(model: Path, work: Path) -> str:
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.stores import open_store
-    from snapshot.transfer import push_snapshot
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.stores import open_store
+    from warmstart.snapshot.transfer import push_snapshot
 
     built = build_snapshot(model, BuildOptions(dtype="bfloat16"), BlobCache(work / "cache"))
     push_snapshot(open_store(str(work / "store")), built.manifest.encode(), built.id, built.blob_paths)
@@ -65,7 +65,7 @@ def build(model: Path, work: Path) -> str:
 class Server:
     def __init__(self, sid: str, work: Path, tier: bool, env: dict[str, str]) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "handlers.cli", "serve", sid, "--store", str(work / "store"), "--cache",
+        cmd = [sys.executable, "-m", "warmstart.handlers.cli", "serve", sid, "--store", str(work / "store"), "--cache",
                str(work / "cache"), "--port", str(self.port), "--max-model-len", "8192"]
         if tier:
             cmd += ["--kv-tier", "s3", "--kv-store", "s3://bench/kv"]

@@ -39,14 +39,14 @@ PROMPT = list(range(100, 116))
 def worker(system: str, model_dir: Path, snapshot_id: str, cache: Path) -> dict:
     t0 = time.perf_counter()
     if system == "snapshot":
-        import snapshot.loader as snapshot_load
+        import warmstart.snapshot.loader as snapshot_load
 
         t1 = time.perf_counter()
         llm = snapshot_load.load(snapshot_id, cache=cache, num_kv_blocks=64)
         ready = time.perf_counter()
         first = _first_token_ours(llm)
     elif system == "hf+engine":
-        from runtime import LLM
+        from warmstart.runtime import LLM
 
         t1 = time.perf_counter()
         llm = LLM.from_hf(model_dir, dtype="bfloat16", num_kv_blocks=64)
@@ -72,7 +72,7 @@ def worker(system: str, model_dir: Path, snapshot_id: str, cache: Path) -> dict:
 
 
 def _first_token_ours(llm) -> float:  # type: ignore[no-untyped-def]
-    from runtime import SamplingParams
+    from warmstart.runtime import SamplingParams
 
     llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
     return time.perf_counter()
@@ -89,8 +89,8 @@ def drop_page_cache(paths: list[Path]) -> None:
 
 def prepare(config: Path, workdir: Path) -> tuple[Path, str, Path, dict[str, list[Path]]]:
     from benchmarks.throughput import model_dir as bench_model_dir
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
 
     model = bench_model_dir(config)
     cache_dir = workdir / "cache"

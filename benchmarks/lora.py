@@ -51,7 +51,7 @@ def save_adapters(model: Path, out: Path, rank: int) -> dict[str, Path]:
     import torch
     from safetensors.torch import save_file
 
-    from runtime.models.config import ModelConfig
+    from warmstart.runtime.models.config import ModelConfig
 
     c = ModelConfig.from_dir(model)
     shapes = {"q_proj": (c.q_size, c.hidden_size), "k_proj": (c.kv_size, c.hidden_size),
@@ -100,10 +100,10 @@ def engine(model: Path, max_seqs: int, rank: int, loras: dict[str, Path] | None 
     import torch
     from safetensors.torch import load_file
 
-    from runtime import LLM
-    from runtime.engine.engine import LLMEngine
-    from runtime.engine.lora import lora_from_peft
-    from runtime.engine.options import EngineOptions
+    from warmstart.runtime import LLM
+    from warmstart.runtime.engine.engine import LLMEngine
+    from warmstart.runtime.engine.lora import lora_from_peft
+    from warmstart.runtime.engine.options import EngineOptions
 
     options = EngineOptions(dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=max_seqs, enable_prefix_caching=False,
                             max_loras=NUM_ADAPTERS, max_lora_rank=rank)
@@ -126,8 +126,8 @@ def burst(
 ) -> tuple[float, float]:
     """(generated tokens/s, median time to first token) of one burst; ``torch_lora``: the LoRA adds on the PyTorch
     path for this burst."""
-    from runtime import SamplingParams
-    from runtime.layers.lora import add_lora
+    from warmstart.runtime import SamplingParams
+    from warmstart.runtime.layers.lora import add_lora
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     model = llm.engine.runner.model
@@ -146,7 +146,7 @@ def burst(
 
 
 def single_ttft(llm: Any, prompt: list[int], adapter: str | None) -> float:
-    from runtime import SamplingParams
+    from warmstart.runtime import SamplingParams
 
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), adapter=adapter)
@@ -190,8 +190,8 @@ def main() -> None:
 
     import torch
 
-    from runtime.layers.lora import add_lora
-    from runtime.models.config import ModelConfig
+    from warmstart.runtime.layers.lora import add_lora
+    from warmstart.runtime.models.config import ModelConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.quant.packed_linear import PackedWeight  # noqa: E402
+from warmstart.runtime.quant.packed_linear import PackedWeight  # noqa: E402
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576), "lm_head": (49152, 576)}
 

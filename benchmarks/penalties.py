@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.engine.penalties import adjust_logits  # noqa: E402
-from runtime.engine.sequence import Sequence  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from warmstart.runtime.engine.penalties import adjust_logits  # noqa: E402
+from warmstart.runtime.engine.sequence import Sequence  # noqa: E402
+from warmstart.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

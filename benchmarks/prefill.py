@@ -64,7 +64,7 @@ def draw(shape: str, seed: int, vocab: int = 49152) -> dict[str, Any]:
 
 
 def warmstart_worker(model_dir: str, max_batched: int, all_rows: bool) -> None:
-    from runtime import LLM, SamplingParams
+    from warmstart.runtime import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM.from_hf(model_dir, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=max_batched)
@@ -158,7 +158,7 @@ def start(system: str, args: argparse.Namespace) -> Worker | None:
 
 
 def default_model_dir() -> Path:
-    from snapshot.prepare_model import prepare_model
+    from warmstart.snapshot.prepare_model import prepare_model
 
     return prepare_model("smollm2", log=lambda m: print(m, file=sys.stderr))
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.layers.attention import (  # noqa: E402
+from warmstart.runtime.layers.attention import (  # noqa: E402
     AttentionGroup,
     AttentionMetadata,
     paged_attention,

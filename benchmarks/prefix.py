@@ -27,7 +27,7 @@ from benchmarks.workloads import SHARED_BENCH, text_of_tokens  # noqa: E402
 
 
 def ttft(llm, prompt: list[int]) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    from runtime import SamplingParams
+    from warmstart.runtime import SamplingParams
 
     if llm.engine.prepack_thread is not None:
         llm.engine.prepack_thread.join()  # time the prefix, not the weight packing that follows a start
@@ -44,11 +44,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from runtime import LLM
-    from runtime.tokenizer import Tokenizer
-    from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.loader import load
+    from warmstart.runtime import LLM
+    from warmstart.runtime.tokenizer import Tokenizer
+    from warmstart.snapshot.build import BuildOptions, PrefixSpec, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.loader import load
 
     model = bench_model_dir(args.config)
     tokenizer = Tokenizer(model)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from snapshot.cache import BlobCache  # noqa: E402
-from snapshot.format import blob_id  # noqa: E402
-from snapshot.s3 import S3Store  # noqa: E402
-from snapshot.transfer import pull_blobs  # noqa: E402
+from warmstart.snapshot.cache import BlobCache  # noqa: E402
+from warmstart.snapshot.format import blob_id  # noqa: E402
+from warmstart.snapshot.s3 import S3Store  # noqa: E402
+from warmstart.snapshot.transfer import pull_blobs  # noqa: E402
 
 BUCKET = "bench"
 MiB = 1 << 20

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
-from runtime.models.model import Model
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.models.model import Model
+from warmstart.runtime.sampling_params import SamplingParams
 
 
 def compare_to_float(

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.layers.linear import linear  # noqa: E402
-from runtime.quant import formats as quant  # noqa: E402
-from runtime.quant.quantize import quantize  # noqa: E402
+from warmstart.runtime.layers.linear import linear  # noqa: E402
+from warmstart.runtime.quant import formats as quant  # noqa: E402
+from warmstart.runtime.quant.quantize import quantize  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

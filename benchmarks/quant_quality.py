@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.quant_eval import compare_to_float, prompt_logits  # noqa: E402
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime import EngineOptions, LLMEngine, SamplingParams  # noqa: E402
-from runtime.models.config import ModelConfig  # noqa: E402
-from runtime.models.model import Model  # noqa: E402
-from runtime.models.quantize import quantize_model  # noqa: E402
-from runtime.models.weights import ModelWeights, load_weights  # noqa: E402
+from warmstart.runtime import EngineOptions, LLMEngine, SamplingParams  # noqa: E402
+from warmstart.runtime.models.config import ModelConfig  # noqa: E402
+from warmstart.runtime.models.model import Model  # noqa: E402
+from warmstart.runtime.models.quantize import quantize_model  # noqa: E402
+from warmstart.runtime.models.weights import ModelWeights, load_weights  # noqa: E402
 
 VARIANTS = {"bf16": ("none", False), "fp32": ("none", False), "int8": ("int8", False),
             "int8+head": ("int8", True), "int4": ("int4", False), "nf4": ("nf4", False)}

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.engine.sampler import inverse_cdf  # noqa: E402
+from warmstart.runtime.engine.sampler import inverse_cdf  # noqa: E402
 
 
 def race(probs: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,18 @@ def base_tree(commit: str, where: Path) -> Path:
     return where
 
 
+def importable(tree: Path, links: Path) -> tuple[str, Path]:
+    """The CLI's module in ``tree`` and the path that imports it from there: commits that install the folders as
+    warmstart.runtime, ... (setup.py's package_dir) get a link tree warmstart/ -> the folders, older ones the tree
+    itself (`handlers.cli`)."""
+    if "package_dir" not in (tree / "setup.py").read_text():
+        return "handlers.cli", tree
+    (links / "warmstart").mkdir(parents=True, exist_ok=True)
+    for folder in ("runtime", "snapshot", "handlers"):
+        (links / "warmstart" / folder).symlink_to(tree / folder, target_is_directory=True)
+    return "warmstart.handlers.cli", links
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the commit to compare with (e.g. main~3)")
@@ -58,10 +70,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, metavar="OUT")
     args = ap.parse_args()
 
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.stores import open_store
-    from snapshot.transfer import push_snapshot
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.stores import open_store
+    from warmstart.snapshot.transfer import push_snapshot
 
     model = bench_model_dir(args.config)
     requests = load_workload("mixed", json.loads((model / "config.json").read_text())["vocab_size"], scale=args.scale)
@@ -78,9 +90,10 @@ def main() -> None:
                 row = {}
                 for name in order:
                     port = free_port()
-                    cmd = [sys.executable, "-m", "handlers.cli", "serve", built.id, "--store", str(tmp / "store"),
+                    module, path = importable(trees[name], tmp / f"import-{name}")
+                    cmd = [sys.executable, "-m", module, "serve", built.id, "--store", str(tmp / "store"),
                            "--cache", str(tmp / "cache"), "--port", str(port), "--max-queue", "1024"]
-                    row[name] = run_server(cmd, {**env, "PYTHONPATH": str(trees[name])}, port, requests,
+                    row[name] = run_server(cmd, {**env, "PYTHONPATH": str(path)}, port, requests,
                                            args.concurrency, stream=True, cwd=trees[name])
                 rounds.append(row)
                 print(f"round {i + 1} ({' then '.join(order)}): " + "  ".join(

@@ -119,10 +119,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.stores import open_store
-    from snapshot.transfer import push_snapshot
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.stores import open_store
+    from warmstart.snapshot.transfer import push_snapshot
 
     model = bench_model_dir(args.config)
     requests = load_workload("mixed", json.loads((model / "config.json").read_text())["vocab_size"], scale=args.scale)
@@ -134,8 +134,9 @@ def main() -> None:
         for system in args.systems:
             port = free_port()
             if system == "warmstart":
-                cmd = [sys.executable, "-m", "handlers.cli", "serve", built.id, "--store", str(Path(tmp) / "store"),
-                       "--cache", str(Path(tmp) / "cache"), "--port", str(port), "--max-queue", "1024"]
+                cmd = [sys.executable, "-m", "warmstart.handlers.cli", "serve", built.id, "--store",
+                       str(Path(tmp) / "store"), "--cache", str(Path(tmp) / "cache"), "--port", str(port),
+                       "--max-queue", "1024"]
                 rows[system] = run_server(cmd, env, port, requests, args.concurrency, stream=True)
             else:
                 cmd = [sys.executable, "-m", "uvicorn", "benchmarks.hf_handler:app", "--port", str(port),

@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import model_dir  # noqa: E402
 from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from runtime import SamplingParams  # noqa: E402
-from runtime.engine.engine import LLMEngine  # noqa: E402
-from runtime.engine.options import EngineOptions  # noqa: E402
-from runtime.models.config import ModelConfig  # noqa: E402
-from runtime.models.weights import LayerWeights, ModelWeights, load_weights  # noqa: E402
+from warmstart.runtime import SamplingParams  # noqa: E402
+from warmstart.runtime.engine.engine import LLMEngine  # noqa: E402
+from warmstart.runtime.engine.options import EngineOptions  # noqa: E402
+from warmstart.runtime.models.config import ModelConfig  # noqa: E402
+from warmstart.runtime.models.weights import LayerWeights, ModelWeights, load_weights  # noqa: E402
 
 PROMPT_TOKENS = 32
 

@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import model_dir  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.structured_outputs import StructuredOutputsParams  # noqa: E402
+from warmstart.runtime import LLM, SamplingParams  # noqa: E402
+from warmstart.runtime.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 REAL_MODEL = Path.home() / ".cache" / "warmstart" / "models" / "smollm2"
 CONFIG = Path(__file__).resolve().parent / "models" / "smollm2-135m.json"
@@ -57,7 +57,7 @@ def run_batch(llm: LLM, prompts: list[list[int]], constrained: int, new_tokens: 
 
 
 def compile_times(llm: LLM) -> dict[str, float]:
-    from runtime.engine.structured import GrammarCompiler
+    from warmstart.runtime.engine.structured import GrammarCompiler
 
     engine = llm.engine
     assert engine.tokenizer is not None

@@ -39,11 +39,11 @@ REPO = Path(__file__).resolve().parent.parent
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from runtime.engine.engine import LLMEngine
-    from runtime.engine.options import EngineOptions
-    from runtime.models.config import ModelConfig
-    from runtime.models.weights import load_weights
-    from runtime.sampling_params import SamplingParams
+    from warmstart.runtime.engine.engine import LLMEngine
+    from warmstart.runtime.engine.options import EngineOptions
+    from warmstart.runtime.models.config import ModelConfig
+    from warmstart.runtime.models.weights import load_weights
+    from warmstart.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
     model = model_dir(SHARED_BENCH / "models" / f"{args.model}.json")
@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.world == 1:
         engine = LLMEngine.from_hf(model, options)
     else:
-        from runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
+        from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
 
         group = TensorParallelGroup(args.rank, args.world, timeout_s=600)
         config = ModelConfig.from_dir(model)
@@ -101,8 +101,8 @@ def run_group(args: argparse.Namespace, world: int, threads: int, replicated_hea
 
 
 def snapshot_bytes(args: argparse.Namespace) -> None:
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
 
     model = model_dir(SHARED_BENCH / "models" / f"{args.model}.json")
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as tmp:

@@ -39,7 +39,7 @@ PEERS = {
 
 
 def model_dir(config: Path) -> Path:
-    from runtime.random_model import make_random_model
+    from warmstart.runtime.random_model import make_random_model
 
     out = Path.home() / ".cache" / "warmstart" / "bench" / f"{config.stem}-bf16"
     if not (out / "config.json").is_file():
@@ -51,7 +51,7 @@ def model_dir(config: Path) -> Path:
 
 
 def run_ours(model: Path, requests: list[Request], args: argparse.Namespace) -> dict:
-    from runtime import LLM, SamplingParams
+    from warmstart.runtime import LLM, SamplingParams
 
     llm = LLM.from_hf(model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens)

@@ -61,9 +61,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from benchmarks.throughput import model_dir as bench_model_dir
-    from snapshot.build import BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
-    from snapshot.transfer import discard_damaged
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
+    from warmstart.snapshot.transfer import discard_damaged
 
     model = bench_model_dir(SHARED_BENCH / "models" / f"{args.model}.json")
     with tempfile.TemporaryDirectory() as tmp:

@@ -64,11 +64,11 @@ def decode_worker(model_dir: Path) -> None:
     import torch
 
     from benchmarks.decode import Warmstart
-    from runtime import LLM, EngineOptions, LLMEngine
-    from runtime.kernels import isa
-    from runtime.models.config import ModelConfig
-    from runtime.models.quantize import quantize_model
-    from runtime.models.weights import load_weights
+    from warmstart.runtime import LLM, EngineOptions, LLMEngine
+    from warmstart.runtime.kernels import isa
+    from warmstart.runtime.models.config import ModelConfig
+    from warmstart.runtime.models.quantize import quantize_model
+    from warmstart.runtime.models.weights import load_weights
 
     class Ours(Warmstart):  # decode.py's timing (token_ms) over an engine of any weight format
         def __init__(self, scheme: str) -> None:

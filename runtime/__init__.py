@@ -1,11 +1,11 @@
 """warmstart's engine: paged KV cache, continuous batching, Llama-family decoders."""
 
-from runtime.async_engine import AsyncLLM, EngineDeadError
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.llm import LLM
-from runtime.outputs import EngineStats, RequestOutput
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.async_engine import AsyncLLM, EngineDeadError
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.llm import LLM
+from warmstart.runtime.outputs import EngineStats, RequestOutput
+from warmstart.runtime.sampling_params import SamplingParams
 
 __version__ = "0.1.0"  # part of every snapshot's KV fingerprint: bump it when numerics or the KV layout change
 

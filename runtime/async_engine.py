@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.input_processor import Prompt
-from runtime.engine.options import EngineOptions
-from runtime.outputs import EngineStats, RequestOutput
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.input_processor import Prompt
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.outputs import EngineStats, RequestOutput
+from warmstart.runtime.sampling_params import SamplingParams
 
 Command = Callable[[], Any]
 

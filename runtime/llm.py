@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.input_processor import Prompt
-from runtime.engine.options import EngineOptions
-from runtime.engine.pooling import embed
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.input_processor import Prompt
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.pooling import embed
+from warmstart.runtime.outputs import RequestOutput
+from warmstart.runtime.sampling_params import SamplingParams
 
 
 class LLM:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.engine.sequence import Timestamps, TokenLogprobs
+from warmstart.runtime.engine.sequence import Timestamps, TokenLogprobs
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.structured_outputs import StructuredOutputsParams
+from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
 # vLLM sets no count limit (it keeps the ids as a set and checks them against the vocabulary); real requests
 # send a handful (a model's end-of-turn tokens). 4096 is far above any real use, while checking and hashing

@@ -11,8 +11,8 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from runtime import chat_template
-from runtime.chat_content import ContentShield
+from warmstart.runtime import chat_template
+from warmstart.runtime.chat_content import ContentShield
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 

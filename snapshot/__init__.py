@@ -11,7 +11,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "load":
-        from snapshot.loader import load
+        from warmstart.snapshot.loader import load
 
         return load
     raise AttributeError(f"module 'snapshot' has no attribute {name!r}")

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from runtime.engine.adapters import AdapterSelector, pooled_embedding, to_blocks
-from runtime.engine.engine import LLMEngine
-from runtime.engine.lora import peft_pattern_value
-from runtime.models.config import ModelConfig
-from runtime.tokenizer import Tokenizer
-from snapshot.errors import BuildError
+from warmstart.runtime.engine.adapters import AdapterSelector, pooled_embedding, to_blocks
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.lora import peft_pattern_value
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.tokenizer import Tokenizer
+from warmstart.snapshot.errors import BuildError
 
 PROMPT_TYPES = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING")
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-import runtime
-from runtime.engine.adapters import alignment_advice, wasted_slots
-from runtime.engine.dtype_choice import stored_dtype
-from runtime.engine.engine import LLMEngine
-from runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_weights
-from runtime.generation_config import GenerationConfigError
-from runtime.generation_config import read_file as read_generation_config
-from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
-from runtime.models.quantize import quantize_model
-from runtime.models.weights import DTYPES, ModelWeights, checkpoint_files, convert_weights, read_checkpoint
-from runtime.tokenizer import Tokenizer
-from snapshot.adapters import (
+from warmstart import runtime
+from warmstart.runtime.engine.adapters import alignment_advice, wasted_slots
+from warmstart.runtime.engine.dtype_choice import stored_dtype
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.tensor_parallel import TensorParallelError, check_divisible, shard_weights
+from warmstart.runtime.generation_config import GenerationConfigError
+from warmstart.runtime.generation_config import read_file as read_generation_config
+from warmstart.runtime.models.config import ModelConfig, ModelConfigError, read_config_json
+from warmstart.runtime.models.quantize import quantize_model
+from warmstart.runtime.models.weights import DTYPES, ModelWeights, checkpoint_files, convert_weights, read_checkpoint
+from warmstart.runtime.tokenizer import Tokenizer
+from warmstart.snapshot.adapters import (
     PromptAdapter,
     build_selector,
     compile_prompt_adapter,
@@ -34,7 +34,7 @@ from snapshot.adapters import (
     read_examples,
     read_prompt_adapter,
 )
-from snapshot.build_parts import (
+from warmstart.snapshot.build_parts import (
     BlobWriter,
     BuildOptions,
     PrefixSpec,
@@ -44,10 +44,10 @@ from snapshot.build_parts import (
     prefix_entry,
     tensor_bytes,
 )
-from snapshot.cache import BlobCache
-from snapshot.errors import BuildError
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint
-from snapshot.lora import build_loras
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.errors import BuildError
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, file_blob_id, kv_fingerprint
+from warmstart.snapshot.lora import build_loras
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -129,7 +129,7 @@ def build_snapshot(
     selector = _selector_entry(options, tokenizer, weights, blobs, log) if options.adapter_examples else None
     draft = None
     if options.draft is not None:
-        from snapshot.draft import build_draft
+        from warmstart.snapshot.draft import build_draft
 
         draft = build_draft(Path(options.draft), model_dir, config, options, prefixes, blobs, log)
     data: dict[str, Any] = {

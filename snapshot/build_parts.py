@@ -11,18 +11,18 @@ from typing import Any
 
 import torch
 
-from runtime.engine.dtype_choice import AUTO
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.engine.tensor_parallel import TensorParallelError, check_shardable, shard_kv
-from runtime.models.config import ModelConfig
-from runtime.models.model import Model
-from runtime.models.weights import DTYPES, ModelWeights
-from runtime.quant.quantize import SCHEMES
-from snapshot.adapters import AdapterSpec
-from snapshot.cache import BlobCache
-from snapshot.errors import BuildError
-from snapshot.format import file_blob_id, write_packed
+from warmstart.runtime.engine.dtype_choice import AUTO
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.tensor_parallel import TensorParallelError, check_shardable, shard_kv
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.model import Model
+from warmstart.runtime.models.weights import DTYPES, ModelWeights
+from warmstart.runtime.quant.quantize import SCHEMES
+from warmstart.snapshot.adapters import AdapterSpec
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.errors import BuildError
+from warmstart.snapshot.format import file_blob_id, write_packed
 
 PREFIX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

@@ -27,10 +27,10 @@ from typing import BinaryIO
 
 import xxhash
 
-from snapshot.errors import CorruptBlob
-from snapshot.files import copy_into, fsync_dir, os_errors, user_cache_dir, write_all, write_atomic
-from snapshot.format import blob_id, file_blob_id, is_id
-from snapshot.store import check_id
+from warmstart.snapshot.errors import CorruptBlob
+from warmstart.snapshot.files import copy_into, fsync_dir, os_errors, user_cache_dir, write_all, write_atomic
+from warmstart.snapshot.format import blob_id, file_blob_id, is_id
+from warmstart.snapshot.store import check_id
 
 HASH_CHUNK = 1 << 20  # read and hash in pieces this large: measured faster than 8 MiB (they stay in cache)
 

@@ -12,14 +12,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import runtime
-from runtime.engine.engine import LLMEngine
-from runtime.models.config import ModelConfig, ModelConfigError, read_config_json
-from runtime.models.quantize import quantize_model
-from runtime.models.weights import DTYPES, ModelWeights, load_weights
-from snapshot.build_parts import BlobWriter, BuildOptions, PrefixSpec, pack_weights, prefix_engine, prefix_entry
-from snapshot.errors import BuildError
-from snapshot.format import file_blob_id, kv_fingerprint
+from warmstart import runtime
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.models.config import ModelConfig, ModelConfigError, read_config_json
+from warmstart.runtime.models.quantize import quantize_model
+from warmstart.runtime.models.weights import DTYPES, ModelWeights, load_weights
+from warmstart.snapshot.build_parts import (
+    BlobWriter,
+    BuildOptions,
+    PrefixSpec,
+    pack_weights,
+    prefix_engine,
+    prefix_entry,
+)
+from warmstart.snapshot.errors import BuildError
+from warmstart.snapshot.format import file_blob_id, kv_fingerprint
 
 
 def build_draft(

@@ -11,7 +11,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
-from snapshot.errors import AccessDenied, StoreError
+from warmstart.snapshot.errors import AccessDenied, StoreError
 
 CHUNK = 8 << 20  # copy and stream in pieces this large
 

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshot.errors import NotFound, StoreError
-from snapshot.format import FormatError, Manifest, blob_id, decode_lora_document
-from snapshot.store import Store
-from snapshot.temporaries import Removed, remove_cache_temporaries, remove_store_temporaries
+from warmstart.snapshot.errors import NotFound, StoreError
+from warmstart.snapshot.format import FormatError, Manifest, blob_id, decode_lora_document
+from warmstart.snapshot.store import Store
+from warmstart.snapshot.temporaries import Removed, remove_cache_temporaries, remove_store_temporaries
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from snapshot.errors import StoreError
-from snapshot.files import os_errors, write_all, write_atomic
-from snapshot.store import Store
+from warmstart.snapshot.errors import StoreError
+from warmstart.snapshot.files import os_errors, write_all, write_atomic
+from warmstart.snapshot.store import Store
 
 SEGMENT_SUFFIX = ".kv"
 KEY_FILE, KEY_BYTES = ".key", 32

@@ -20,29 +20,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import runtime
-from runtime import LLM
-from runtime.engine.adapters import AdapterSelector
-from runtime.engine.device import GIB, resolve_device
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.generation_config import GenerationDefaults
-from runtime.kernels import carry_kernels_under
-from runtime.models.config import ModelConfig
-from runtime.models.weights import LayerWeights, ModelWeights
-from runtime.quant.formats import QuantizedWeight, from_tensors
-from runtime.tokenizer import Tokenizer
-from snapshot.cache import BlobCache
-from snapshot.device_copy import BlobCopier
-from snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
-from snapshot.lora import LoraPull, lora_blob_ids, lora_loader
-from snapshot.refs import resolve_ref
-from snapshot.store import Store
-from snapshot.stores import open_store
-from snapshot.transfer import pull_snapshot
+from warmstart import runtime
+from warmstart.runtime import LLM
+from warmstart.runtime.engine.adapters import AdapterSelector
+from warmstart.runtime.engine.device import GIB, resolve_device
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.generation_config import GenerationDefaults
+from warmstart.runtime.kernels import carry_kernels_under
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import LayerWeights, ModelWeights
+from warmstart.runtime.quant.formats import QuantizedWeight, from_tensors
+from warmstart.runtime.tokenizer import Tokenizer
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.device_copy import BlobCopier
+from warmstart.snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
+from warmstart.snapshot.lora import LoraPull, lora_blob_ids, lora_loader
+from warmstart.snapshot.refs import resolve_ref
+from warmstart.snapshot.store import Store
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import pull_snapshot
 
 if TYPE_CHECKING:
-    from runtime.engine.tensor_parallel import TensorParallelGroup
+    from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup
 
 
 class SnapshotError(Exception):
@@ -204,7 +204,7 @@ def engine_from_manifest(
     tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
     shard_config = config
     if group is not None and group.world > 1:
-        from runtime.engine.tensor_parallel import shard_config as sharded
+        from warmstart.runtime.engine.tensor_parallel import shard_config as sharded
 
         shard_config = sharded(config, group.world)
     weights = _weights(shard_config, tensors, m.get("quantized", {}))
@@ -218,7 +218,7 @@ def engine_from_manifest(
     _check_fingerprint(m, sid)
     draft = _draft(m, mapped, sid) if options.speculative == "draft" else None
     if group is not None and group.world > 1:
-        from runtime.engine.tensor_parallel import rank_engine
+        from warmstart.runtime.engine.tensor_parallel import rank_engine
 
         if options.speculative is not None:
             raise SnapshotError("speculative decoding does not combine with tensor parallelism yet")

@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.models.config import ModelConfig
-from runtime.models.weights import DTYPES
-from snapshot.adapters import AdapterSpec, read_adapter_config, read_adapter_tensors
-from snapshot.build_parts import BlobWriter, tensor_bytes
-from snapshot.cache import BlobCache
-from snapshot.errors import BuildError, CorruptBlob, NotFound, StoreError
-from snapshot.format import Manifest, blob_id, decode_lora_document, encode_lora_document
-from snapshot.refs import resolve_ref
-from snapshot.store import Store
-from snapshot.transfer import PushStats, pull_blobs, push_blobs
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import DTYPES
+from warmstart.snapshot.adapters import AdapterSpec, read_adapter_config, read_adapter_tensors
+from warmstart.snapshot.build_parts import BlobWriter, tensor_bytes
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.errors import BuildError, CorruptBlob, NotFound, StoreError
+from warmstart.snapshot.format import Manifest, blob_id, decode_lora_document, encode_lora_document
+from warmstart.snapshot.refs import resolve_ref
+from warmstart.snapshot.store import Store
+from warmstart.snapshot.transfer import PushStats, pull_blobs, push_blobs
 
 if TYPE_CHECKING:
-    from runtime.engine.lora import LoraWeights
+    from warmstart.runtime.engine.lora import LoraWeights
 
 FLAG = "--lora"
 PUSH_RECHECKS = 3  # as snapshot.transfer: blobs that vanish before the pointer is written are uploaded again
@@ -51,7 +51,7 @@ class LoraNotFound(LoraError):
 
 def read_lora(spec: AdapterSpec, config: ModelConfig, dtype: torch.dtype, flag: str = FLAG) -> LoraWeights:
     """A PEFT LoRA directory in the engine's fused layout; BuildError naming ``flag`` and the adapter otherwise."""
-    from runtime.engine.lora import lora_from_peft
+    from warmstart.runtime.engine.lora import lora_from_peft
 
     what = f"{flag} {spec.name}"
     peft_config = read_adapter_config(spec.path, what)
@@ -115,7 +115,7 @@ def lora_loader(entry: dict[str, Any], cache: BlobCache, size: int,
                 pull: Callable[[str], None] = lambda _: None) -> Callable[[], LoraWeights]:
     """What the engine calls to page the adapter in: its blob read from the cache, verified, as LoraWeights.
     ``pull(blob)`` brings the blob into the cache first where it may not be there yet (LoraPull.fetch)."""
-    from runtime.engine.lora import LoraWeights
+    from warmstart.runtime.engine.lora import LoraWeights
 
     name = entry["name"]
 
@@ -259,7 +259,7 @@ class LoraSource:
 
     def store(self) -> Store:
         if not isinstance(self._store, Store):
-            from snapshot.stores import open_store
+            from warmstart.snapshot.stores import open_store
 
             self._store = open_store(self._store)
         return self._store

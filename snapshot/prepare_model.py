@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshot.progress import bars_on_terminal_only
+from warmstart.snapshot.progress import bars_on_terminal_only
 
 READY_MARK = ".prepared"  # written last: a directory without it is an interrupted conversion
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from snapshot.errors import NoSuchBucket, NotFound, StoreError
-from snapshot.format import is_id
-from snapshot.store import MIN_ID_PREFIX, Store, is_ref_name
+from warmstart.snapshot.errors import NoSuchBucket, NotFound, StoreError
+from warmstart.snapshot.format import is_id
+from warmstart.snapshot.store import MIN_ID_PREFIX, Store, is_ref_name
 
 MIN_PREFIX = MIN_ID_PREFIX  # shortest id prefix that resolve_ref accepts
 

@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from snapshot.errors import AccessDenied, NoSuchBucket, NotFound, StoreError, StoreUnreachable, TransferInterrupted
-from snapshot.files import OnBytes
-from snapshot.store import Store
+from warmstart.snapshot.errors import (
+    AccessDenied,
+    NoSuchBucket,
+    NotFound,
+    StoreError,
+    StoreUnreachable,
+    TransferInterrupted,
+)
+from warmstart.snapshot.files import OnBytes
+from warmstart.snapshot.store import Store
 
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 32 << 20

@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from snapshot import retry
-from snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError, TransferInterrupted
-from snapshot.files import CHUNK, OnBytes, copy_into, os_errors, user_cache_dir, write_all, write_atomic
-from snapshot.format import blob_id, file_blob_id, is_id
+from warmstart.snapshot import retry
+from warmstart.snapshot.errors import CorruptBlob, NoSuchBucket, NotFound, StoreError, TransferInterrupted
+from warmstart.snapshot.files import CHUNK, OnBytes, copy_into, os_errors, user_cache_dir, write_all, write_atomic
+from warmstart.snapshot.format import blob_id, file_blob_id, is_id
 
 log = logging.getLogger("warmstart.snapshot")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from snapshot.errors import StoreError
-from snapshot.s3 import BULK, S3Store, Timeouts
-from snapshot.store import LocalStore, Store, default_store_dir
+from warmstart.snapshot.errors import StoreError
+from warmstart.snapshot.s3 import BULK, S3Store, Timeouts
+from warmstart.snapshot.store import LocalStore, Store, default_store_dir
 
 
 def open_store(uri: str | None = None, timeouts: Timeouts = BULK) -> Store:

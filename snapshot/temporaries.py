@@ -25,10 +25,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshot.cache import BlobLock
-from snapshot.files import os_errors
-from snapshot.format import is_id
-from snapshot.store import LocalStore, Store
+from warmstart.snapshot.cache import BlobLock
+from warmstart.snapshot.files import os_errors
+from warmstart.snapshot.format import is_id
+from warmstart.snapshot.store import LocalStore, Store
 
 ATOMIC_TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # write_atomic's names
 STAGING_DIRECTORY = re.compile(r"^tmp[a-z0-9_]{8}$")  # tempfile's names

@@ -20,13 +20,16 @@ from pathlib import Path
 
 import xxhash
 
-from snapshot.cache import BadBlob, BlobCache, BlobLock
-from snapshot.errors import CorruptBlob, StoreError, TransferInterrupted
-from snapshot.files import CHUNK, fsync_dir, os_errors
-from snapshot.format import FormatError, Manifest, blob_id, is_id
-from snapshot.progress import Progress, as_progress
-from snapshot.retry import BACKOFF_SECONDS, RETRIES  # per part, for connections dropped while the body streams
-from snapshot.store import Store, check_id
+from warmstart.snapshot.cache import BadBlob, BlobCache, BlobLock
+from warmstart.snapshot.errors import CorruptBlob, StoreError, TransferInterrupted
+from warmstart.snapshot.files import CHUNK, fsync_dir, os_errors
+from warmstart.snapshot.format import FormatError, Manifest, blob_id, is_id
+from warmstart.snapshot.progress import Progress, as_progress
+from warmstart.snapshot.retry import (  # per part, for connections dropped while the body streams
+    BACKOFF_SECONDS,
+    RETRIES,
+)
+from warmstart.snapshot.store import Store, check_id
 
 log = logging.getLogger("warmstart.snapshot")
 

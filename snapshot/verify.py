@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from snapshot.cache import BadBlob, BlobCache
-from snapshot.errors import StoreError
-from snapshot.format import FormatError, Manifest
-from snapshot.progress import Progress, as_progress
-from snapshot.store import Store
-from snapshot.transfer import DEFAULT_CONCURRENCY, discard_damaged, pull_blobs
+from warmstart.snapshot.cache import BadBlob, BlobCache
+from warmstart.snapshot.errors import StoreError
+from warmstart.snapshot.format import FormatError, Manifest
+from warmstart.snapshot.progress import Progress, as_progress
+from warmstart.snapshot.store import Store
+from warmstart.snapshot.transfer import DEFAULT_CONCURRENCY, discard_damaged, pull_blobs
 
 
 @dataclass

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     # tests import it long before them (peft does): so it is chosen here, before any test module loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from runtime.random_model import make_random_model
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime.random_model import make_random_model
 
 
 @pytest.fixture(scope="session")

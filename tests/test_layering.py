@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "snapshot", "handlers")
+INSTALLED = "warmstart"  # the folders install as warmstart.runtime, warmstart.snapshot, warmstart.handlers (setup.py)
 # A package may import those after it, never those before it.
 PACKAGE_ORDER = ("handlers", "snapshot", "runtime")
 # The folders of runtime/ and handlers/ by height; a module may import its own folder and lower ones of its package.
@@ -26,19 +27,25 @@ def module_of(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def imported_names(path: Path) -> list[str]:
+    """The modules (and, for ``from m import n``, the would-be modules m.n) a file imports, anywhere in it."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Each project module -> the project modules it imports (a package's __init__ is not an edge: importing
-    a name through it is how a subpackage is reached)."""
+    """Each project module -> the project modules it imports, by folder (warmstart.runtime.x is runtime.x; a
+    package's __init__ is not an edge: importing a name through it is how a subpackage is reached)."""
     files = {module_of(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            graph[mod].update(n for n in names if n in files and n != mod and files[n].name != "__init__.py")
+        names = [n.removeprefix(f"{INSTALLED}.") for n in imported_names(path)]
+        graph[mod].update(n for n in names if n in files and n != mod and files[n].name != "__init__.py")
     return graph
 
 
@@ -119,6 +126,15 @@ def test_the_upward_check_finds_upward_imports() -> None:
         "handlers.openai.requests -> handlers.server.state", "runtime.engine.engine -> snapshot.store",
         "runtime.layers.ops -> runtime.engine.sequence",
     ]
+
+
+def test_every_import_names_the_installed_packages() -> None:
+    """``import runtime`` would find the folder only from the checkout's root, and there load a second copy of
+    the package beside warmstart.runtime (two LLMEngine classes, two kernel registries)."""
+    python = [p for folder in (*PACKAGES, "tests", "benchmarks") for p in (ROOT / folder).rglob("*.py")]
+    found = [f"{path.relative_to(ROOT)} -> {name}" for path in python for name in imported_names(path)
+             if name.split(".")[0] in PACKAGES]
+    assert found == []
 
 
 def test_test_modules_import_no_other_test_module() -> None:

@@ -1,7 +1,7 @@
-"""`python -m handlers.cli`: the `warmstart` command."""
+"""`python -m warmstart.handlers.cli`: the `warmstart` command."""
 
 import sys
 
-from handlers.cli.main import main
+from warmstart.handlers.cli.main import main
 
 sys.exit(main())

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from handlers.errors import CliError, port_number, positive_int
+from warmstart.handlers.errors import CliError, port_number, positive_int
 
 DEMO_CONFIG = "smollm2-135m.json"
 DEMO_REF = "demo"
@@ -105,7 +105,7 @@ def ensure_demo_model(model_dir: pathlib.Path, *, quiet: bool = False) -> pathli
         model_dir.glob("*.safetensors")
     ):
         return model_dir
-    from runtime import random_model
+    from warmstart.runtime import random_model
 
     config_path = pathlib.Path(random_model.__file__).parent / "configs" / DEMO_CONFIG
     config = json.loads(config_path.read_text())
@@ -130,14 +130,14 @@ def ensure_demo_model(model_dir: pathlib.Path, *, quiet: bool = False) -> pathli
 def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Namespace,
                   log: Callable[[str], None]) -> str:
     """The id of the demo snapshot in the store, built and tagged `demo` unless an up-to-date one is there."""
-    from handlers.cli.snapshots import user_errors
+    from warmstart.handlers.cli.snapshots import user_errors
 
     with user_errors():
-        import runtime
-        from runtime.engine.dtype_choice import stored_dtype
-        from snapshot.errors import NotFound
-        from snapshot.format import Manifest, blob_id, file_blob_id
-        from snapshot.stores import open_store
+        from warmstart import runtime
+        from warmstart.runtime.engine.dtype_choice import stored_dtype
+        from warmstart.snapshot.errors import NotFound
+        from warmstart.snapshot.format import Manifest, blob_id, file_blob_id
+        from warmstart.snapshot.stores import open_store
 
         store = open_store(args.store)
         try:
@@ -150,9 +150,9 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
                 return sid
         except NotFound:
             pass
-        from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.cache import BlobCache
-        from snapshot.transfer import push_snapshot
+        from warmstart.snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+        from warmstart.snapshot.cache import BlobCache
+        from warmstart.snapshot.transfer import push_snapshot
 
         log(f"building the demo snapshot into {store.uri} ...")
         with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +170,7 @@ def demo_snapshot(model_dir: pathlib.Path, system_text: str, args: argparse.Name
 
 def real_model_or_none(log: Callable[[str], None]) -> pathlib.Path | None:
     """SmolLM2-135M-Instruct prepared into the cache, or None (said why) when it cannot be fetched or converted."""
-    from snapshot.prepare_model import PrepareError, prepare_model
+    from warmstart.snapshot.prepare_model import PrepareError, prepare_model
 
     try:
         return prepare_model("smollm2", log=log)
@@ -245,7 +245,7 @@ class Server:
     """`warmstart serve demo` as a child process whose stdout (one JSON line per event) is read by a thread."""
 
     def __init__(self, args: argparse.Namespace, quiet: bool) -> None:
-        cmd = [sys.executable, "-m", "handlers.cli", "serve", DEMO_REF, "--port", str(args.port)]
+        cmd = [sys.executable, "-m", __package__, "serve", DEMO_REF, "--port", str(args.port)]
         for flag, value in (("--store", args.store), ("--cache", args.cache)):
             if value is not None:
                 cmd += [flag, str(value)]

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from handlers.cli import demo, prepare_model, serve, snapshots, templates
-from handlers.errors import CliError, check_environment
+from warmstart.handlers.cli import demo, prepare_model, serve, snapshots, templates
+from warmstart.handlers.errors import CliError, check_environment
 
 
 class Parser(argparse.ArgumentParser):

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from handlers.errors import CliError
+from warmstart.handlers.errors import CliError
 
 
 def add_command(sub: Any) -> None:
-    from snapshot.prepare_model import KNOWN_MODELS
+    from warmstart.snapshot.prepare_model import KNOWN_MODELS
 
     p = sub.add_parser("prepare-model", help="download and convert a real model into an HF directory (cached)")
     p.add_argument("name", choices=sorted(KNOWN_MODELS), help="the model")
@@ -21,7 +21,7 @@ def add_command(sub: Any) -> None:
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from snapshot.prepare_model import PrepareError, prepare_model
+    from warmstart.snapshot.prepare_model import PrepareError, prepare_model
 
     if args.gguf is not None and not args.gguf.is_file():
         raise CliError(f"--gguf {args.gguf}: no such file")

@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from handlers.cli import vllm_flags
-from handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
-from handlers.openai.reasoning import PARSERS as REASONING_PARSERS
-from handlers.openai.tool_calls import PARSERS as TOOL_CALL_PARSERS
-from handlers.server import kv_tier_options
-from handlers.server.timeline import Timeline, print_json_line
+from warmstart.handlers.cli import vllm_flags
+from warmstart.handlers.errors import CliError, device_name, fraction, non_negative_int, port_number, positive_int
+from warmstart.handlers.openai.reasoning import PARSERS as REASONING_PARSERS
+from warmstart.handlers.openai.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from warmstart.handlers.server import kv_tier_options
+from warmstart.handlers.server.timeline import Timeline, print_json_line
 
 
 def add_command(sub: Any) -> None:
@@ -167,7 +167,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from handlers.cli.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
+    from warmstart.handlers.cli.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
     vllm_flags.snapshot_ref(args)
     timeline = Timeline(emit=print_json_line)
@@ -197,9 +197,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_follower(args, engine_options)
     import uvicorn
 
-    from handlers.server.app import create_app
-    from handlers.server.http_limits import bounded_protocol
-    from handlers.server.state import Limits, ServeState, load_snapshot
+    from warmstart.handlers.server.app import create_app
+    from warmstart.handlers.server.http_limits import bounded_protocol
+    from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
 
     timeline.mark("imports")
     sock = bind(args.host, args.port)
@@ -346,13 +346,13 @@ def build_to_serve(model_dir: Path, store: str | None, cache: Path | None, timel
     """The one-step form of `serve DIR`: a snapshot of the directory built with the default options and pushed to
     the store (a rebuild of unchanged inputs uploads nothing), its blobs left in the cache the load reads; returns
     its id. Each build line is logged as a JSON event; the errors a user can cause come as one CliError."""
-    from handlers.cli.snapshots import user_errors
+    from warmstart.handlers.cli.snapshots import user_errors
 
     with user_errors():
-        from snapshot.build import BuildError, BuildOptions, build_snapshot
-        from snapshot.cache import BlobCache
-        from snapshot.stores import open_store
-        from snapshot.transfer import push_snapshot
+        from warmstart.snapshot.build import BuildError, BuildOptions, build_snapshot
+        from warmstart.snapshot.cache import BlobCache
+        from warmstart.snapshot.stores import open_store
+        from warmstart.snapshot.transfer import push_snapshot
 
         target = open_store(store)
         try:

@@ -15,12 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from handlers.errors import CliError, positive_int
-from handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
+from warmstart.handlers.errors import CliError, positive_int
+from warmstart.handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 
 if TYPE_CHECKING:
-    from snapshot.store import Store
-    from snapshot.verify import VerifyReport
+    from warmstart.snapshot.store import Store
+    from warmstart.snapshot.verify import VerifyReport
 
 LS_INCOMPLETE = 3  # `ls` exit status: listed what it could read, flagged the entries it could not
 
@@ -120,9 +120,9 @@ def _common(parser: argparse.ArgumentParser, cache: bool = False) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the errors a user can cause into one clear sentence."""
-    from runtime.models.config import ModelConfigError
-    from snapshot.errors import StoreError
-    from snapshot.format import FormatError
+    from warmstart.runtime.models.config import ModelConfigError
+    from warmstart.snapshot.errors import StoreError
+    from warmstart.snapshot.format import FormatError
 
     try:
         yield
@@ -142,15 +142,15 @@ def _log(args: argparse.Namespace) -> Callable[[str], None]:
 
 
 def _cache(args: argparse.Namespace) -> Any:
-    from snapshot.cache import BlobCache
+    from warmstart.snapshot.cache import BlobCache
 
     return BlobCache(args.cache)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     # What the arguments say is checked before the imports below, which take torch's seconds.
-    from snapshot.errors import StoreError
-    from snapshot.store import check_new_ref_name
+    from warmstart.snapshot.errors import StoreError
+    from warmstart.snapshot.store import check_new_ref_name
 
     try:
         for name in args.tag:
@@ -162,10 +162,10 @@ def cmd_build(args: argparse.Namespace) -> int:
                        "*.safetensors, tokenizer.json); for a hub id, download it first (`huggingface-cli download "
                        "ID --local-dir DIR`), or `warmstart prepare-model smollm2` for the demo's model")
     with user_errors():
-        from snapshot.adapters import AdapterSpec
-        from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-        from snapshot.stores import open_store
-        from snapshot.transfer import push_snapshot
+        from warmstart.snapshot.adapters import AdapterSpec
+        from warmstart.snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+        from warmstart.snapshot.stores import open_store
+        from warmstart.snapshot.transfer import push_snapshot
 
         try:
             merge, loras = lora_options(args.lora, args.lora_merge)
@@ -206,8 +206,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def lora_options(given: list[str], merge: Path | None) -> tuple[Path | None, list[Any]]:
     """--lora values: NAME=DIR adapters served unmerged, and (deprecated) a bare DIR, merged as --lora-merge DIR."""
-    from snapshot.adapters import AdapterSpec
-    from snapshot.errors import BuildError
+    from warmstart.snapshot.adapters import AdapterSpec
+    from warmstart.snapshot.errors import BuildError
 
     specs = []
     for text in given:
@@ -225,9 +225,9 @@ def lora_options(given: list[str], merge: Path | None) -> tuple[Path | None, lis
 
 def cmd_pull(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.refs import resolve_ref
-        from snapshot.stores import open_store
-        from snapshot.transfer import pull_snapshot
+        from warmstart.snapshot.refs import resolve_ref
+        from warmstart.snapshot.stores import open_store
+        from warmstart.snapshot.transfer import pull_snapshot
 
         store = open_store(args.store)
         snapshot_id = resolve_ref(store, args.ref)
@@ -242,10 +242,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.format import is_id
-        from snapshot.refs import resolve_ref
-        from snapshot.stores import open_store
-        from snapshot.verify import verify_cache, verify_snapshot
+        from warmstart.snapshot.format import is_id
+        from warmstart.snapshot.refs import resolve_ref
+        from warmstart.snapshot.stores import open_store
+        from warmstart.snapshot.verify import verify_cache, verify_snapshot
 
         cache = _cache(args)
         stores: list[Store] = []
@@ -289,9 +289,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """Exit status 0 when everything was listed; LS_INCOMPLETE when some manifests or refs cannot be read (they
     are flagged, the rest is listed); 1 when the store cannot be listed at all."""
     with user_errors():
-        from snapshot.errors import CorruptBlob
-        from snapshot.format import FormatError
-        from snapshot.stores import open_store
+        from warmstart.snapshot.errors import CorruptBlob
+        from warmstart.snapshot.format import FormatError
+        from warmstart.snapshot.stores import open_store
 
         store = open_store(args.store)
         refs, bad_refs = store.survey_refs()
@@ -327,7 +327,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _ls_row(store: Any, sid: str, refs: dict[str, str]) -> dict[str, Any]:
     """The snapshot's line in `ls`; raises CorruptBlob or FormatError when its manifest cannot be read."""
-    from snapshot.format import FormatError, Manifest
+    from warmstart.snapshot.format import FormatError, Manifest
 
     m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
     try:
@@ -341,9 +341,9 @@ def _ls_row(store: Any, sid: str, refs: dict[str, str]) -> dict[str, Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.format import Manifest
-        from snapshot.refs import resolve_ref
-        from snapshot.stores import open_store
+        from warmstart.snapshot.format import Manifest
+        from warmstart.snapshot.refs import resolve_ref
+        from warmstart.snapshot.stores import open_store
 
         store = open_store(args.store)
         sid = resolve_ref(store, args.ref)
@@ -374,7 +374,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
-    from snapshot.format import rank_view, tensor_parallel_size
+    from warmstart.snapshot.format import rank_view, tensor_parallel_size
 
     block_size = m["engine"]["block_size"]
     world = tensor_parallel_size(m)
@@ -406,10 +406,10 @@ def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
 
 def cmd_lora_push(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.adapters import AdapterSpec
-        from snapshot.errors import BuildError
-        from snapshot.lora import push_lora
-        from snapshot.stores import open_store
+        from warmstart.snapshot.adapters import AdapterSpec
+        from warmstart.snapshot.errors import BuildError
+        from warmstart.snapshot.lora import push_lora
+        from warmstart.snapshot.stores import open_store
 
         try:
             spec = AdapterSpec.parse(args.adapter, "lora push")
@@ -430,9 +430,9 @@ def cmd_lora_push(args: argparse.Namespace) -> int:
 
 def cmd_tag(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.refs import resolve_ref
-        from snapshot.store import check_new_ref_name
-        from snapshot.stores import open_store
+        from warmstart.snapshot.refs import resolve_ref
+        from warmstart.snapshot.store import check_new_ref_name
+        from warmstart.snapshot.stores import open_store
 
         check_new_ref_name(args.name)
         store = open_store(args.store)
@@ -444,9 +444,9 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     with user_errors():
-        from snapshot.cache import default_cache_dir
-        from snapshot.gc import gc
-        from snapshot.stores import open_store
+        from warmstart.snapshot.cache import default_cache_dir
+        from warmstart.snapshot.gc import gc
+        from warmstart.snapshot.stores import open_store
 
         store = open_store(args.store)
         report = gc(store, dry_run=args.dry_run, grace_seconds=args.grace_seconds,

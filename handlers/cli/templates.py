@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from handlers.errors import CliError, non_negative_int, positive_int
+from warmstart.handlers.errors import CliError, non_negative_int, positive_int
 
 PORT = 8080
 PYTHON_VERSION = "3.11"  # of the images: the version the project is tested with
@@ -158,10 +158,10 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
     """Everything the templates use, the snapshot resolved (and pinned) through the store."""
     from urllib.parse import urlparse
 
-    from snapshot.errors import StoreError
-    from snapshot.format import FormatError
-    from snapshot.refs import resolve_ref
-    from snapshot.stores import open_store
+    from warmstart.snapshot.errors import StoreError
+    from warmstart.snapshot.format import FormatError
+    from warmstart.snapshot.refs import resolve_ref
+    from warmstart.snapshot.stores import open_store
 
     try:  # not snapshots.user_errors: that imports the runtime (torch), which rendering has no use for
         store = open_store(store_uri)
@@ -245,7 +245,7 @@ def resolve_values(args: argparse.Namespace, platform: Platform, store_uri: str)
 
 def local_store() -> str:
     """The store the other commands use when none is named: the local one, which docker mounts."""
-    from snapshot.store import default_store_dir
+    from warmstart.snapshot.store import default_store_dir
 
     return str(default_store_dir())
 

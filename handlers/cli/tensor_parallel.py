@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from handlers.errors import CliError
+from warmstart.handlers.errors import CliError
 
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "gpu_memory_utilization",
                 "device")
@@ -71,7 +71,7 @@ def start_followers(plan: RankPlan, args: argparse.Namespace) -> None:
 
 
 def follower_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "handlers.cli", "serve", args.ref, "--tensor-parallel", str(args.tensor_parallel),
+    cmd = [sys.executable, "-m", __package__, "serve", args.ref, "--tensor-parallel", str(args.tensor_parallel),
            "--collective-timeout", str(args.collective_timeout)]
     if args.store:
         cmd += ["--store", args.store]
@@ -88,9 +88,9 @@ def run_follower(args: argparse.Namespace, engine_options: dict[str, Any]) -> in
     rank = os.environ.get("RANK", "?")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches rank 0 too, which stops the group cleanly
     try:
-        from runtime.engine.tensor_parallel import TensorParallelGroup, follow
-        from snapshot.cache import BlobCache
-        from snapshot.loader import load_with_report
+        from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup, follow
+        from warmstart.snapshot.cache import BlobCache
+        from warmstart.snapshot.loader import load_with_report
 
         group = TensorParallelGroup(timeout_s=args.collective_timeout, device=args.device)
         llm, report = load_with_report(args.ref, args.store, BlobCache(args.cache), group=group, device=args.device,

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from handlers.errors import CliError, positive_int
+from warmstart.handlers.errors import CliError, positive_int
 
 # vLLM's serve flag -> what to use here instead (its meaning is fixed when a snapshot is built)
 ELSEWHERE = {

@@ -8,7 +8,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.openai.requests import Body, ServedModel, _adapter, _token_ids, bad, json_type
+from warmstart.handlers.openai.requests import Body, ServedModel, _adapter, _token_ids, bad, json_type
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "add_special_tokens"}
 ENCODINGS = ("float", "base64")

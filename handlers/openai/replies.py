@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from handlers.openai.reasoning import ReasoningStream, message_fields
-from handlers.openai.requests import Generation, ServedModel
-from handlers.openai.tool_calls import ToolCallStream, parse_tool_calls
+from warmstart.handlers.openai.reasoning import ReasoningStream, message_fields
+from warmstart.handlers.openai.requests import Generation, ServedModel
+from warmstart.handlers.openai.tool_calls import ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
-    from runtime.engine.sequence import TokenLogprobs
-    from runtime.outputs import RequestOutput
+    from warmstart.runtime.engine.sequence import TokenLogprobs
+    from warmstart.runtime.outputs import RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 

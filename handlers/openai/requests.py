@@ -13,15 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from handlers.openai.sampling_controls import FieldError, choices, sampling_controls
-from handlers.openai.structured_request import FIELDS as STRUCTURED
-from handlers.openai.structured_request import StructuredFieldError, structured_outputs
-from handlers.openai.tool_calls import MISTRAL_MARKER, ToolFieldError, ToolRequest, history_tool_calls, tool_request
+from warmstart.handlers.openai.sampling_controls import FieldError, choices, sampling_controls
+from warmstart.handlers.openai.structured_request import FIELDS as STRUCTURED
+from warmstart.handlers.openai.structured_request import StructuredFieldError, structured_outputs
+from warmstart.handlers.openai.tool_calls import (
+    MISTRAL_MARKER,
+    ToolFieldError,
+    ToolRequest,
+    history_tool_calls,
+    tool_request,
+)
 
 if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
-    from runtime.sampling_params import SamplingParams
-    from runtime.structured_outputs import StructuredOutputsParams
-    from runtime.tokenizer import Tokenizer
+    from warmstart.runtime.sampling_params import SamplingParams
+    from warmstart.runtime.structured_outputs import StructuredOutputsParams
+    from warmstart.runtime.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
@@ -250,7 +256,7 @@ def _tools(b: Body, model: ServedModel) -> ToolRequest | None:
 
 def _use_tools(gen: Generation, tools: ToolRequest) -> None:
     """Read calls out of the reply; with tool_choice required or named, decode under the calls' grammar."""
-    from runtime.structured_outputs import StructuredOutputsParams
+    from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
     gen.tool_parser = tools.parser
     if tools.parser == "mistral":  # its calls start at the [TOOL_CALLS] special token, which the text must keep
@@ -547,7 +553,7 @@ def _render(model: ServedModel, messages: list[dict[str, str]], template_kwargs:
 
 def _finish(b: Body, model: ServedModel, ids: list[int], *, chat: bool, logprobs: int | None,
             prompt_param: str, adapter: str | None) -> Generation:
-    from runtime.sampling_params import SamplingParams
+    from warmstart.runtime.sampling_params import SamplingParams
 
     b.string("user")
     stream = b.boolean("stream", False)
@@ -643,7 +649,7 @@ def _stop(b: Body) -> list[str]:
 
 
 def _stop_token_ids(b: Body, vocab_size: int) -> list[int]:
-    from runtime.sampling_params import MAX_STOP_TOKEN_IDS
+    from warmstart.runtime.sampling_params import MAX_STOP_TOKEN_IDS
 
     ids = b.get("stop_token_ids", (list,), "an array of token ids")
     if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:  # before checking each id, which costs per id

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.tokenizer import Tokenizer
+    from warmstart.runtime.tokenizer import Tokenizer
 
 MAX_LOGIT_BIAS = 1024  # OpenAI caps a request at a few hundred biased tokens; this is far above real use
 MAX_BAD_WORDS = 128

@@ -9,7 +9,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the runtime imports torch; this module is imported before the server listens
-    from runtime.structured_outputs import StructuredOutputsParams
+    from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 FIELDS = {"response_format", "structured_outputs", *GUIDED}
@@ -89,8 +89,8 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
 
 
 def _checked(kwargs: dict[str, Any], param: str) -> StructuredOutputsParams:
-    from runtime.engine.structured import check_grammar
-    from runtime.structured_outputs import StructuredOutputsParams
+    from warmstart.runtime.engine.structured import check_grammar
+    from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
     choice = kwargs.get("choice")
     if isinstance(choice, list | tuple) and len(choice) > MAX_CHOICES:

@@ -24,17 +24,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from handlers.openai.requests import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
-from handlers.server import embeddings_api, lora_routes, responses_api, tokenize_api
-from handlers.server.metrics import CONTENT_TYPE
-from handlers.server.middleware import RequestContext, add_cors
-from handlers.server.prompt_batch import serve_prompts, split_prompts
-from handlers.server.service import ClientGone
-from handlers.server.state import Limits, ServeState
-from handlers.server.timeline import print_json_line
+from warmstart.handlers.openai.requests import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
+from warmstart.handlers.server import embeddings_api, lora_routes, responses_api, tokenize_api
+from warmstart.handlers.server.metrics import CONTENT_TYPE
+from warmstart.handlers.server.middleware import RequestContext, add_cors
+from warmstart.handlers.server.prompt_batch import serve_prompts, split_prompts
+from warmstart.handlers.server.service import ClientGone
+from warmstart.handlers.server.state import Limits, ServeState
+from warmstart.handlers.server.timeline import print_json_line
 
 if TYPE_CHECKING:
-    from runtime.outputs import EngineStats
+    from warmstart.runtime.outputs import EngineStats
 
 Parser = Callable[[Any, ServedModel], Generation]
 

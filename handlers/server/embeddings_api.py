@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from handlers.openai.embeddings import embeddings_reply, parse_embeddings
-from handlers.openai.requests import APIError, bad
-from handlers.server.service import Service, on_engine
+from warmstart.handlers.openai.embeddings import embeddings_reply, parse_embeddings
+from warmstart.handlers.openai.requests import APIError, bad
+from warmstart.handlers.server.service import Service, on_engine
 
 
 async def embeddings(service: Service, body: Any, pooling: str, model_name: str) -> dict[str, Any]:
-    from runtime.engine.pooling import PoolBusy, embed
+    from warmstart.runtime.engine.pooling import PoolBusy, embed
 
     engine = service.llm.engine
     call = await asyncio.get_running_loop().run_in_executor(

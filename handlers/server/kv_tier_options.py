@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.errors import CliError
+from warmstart.handlers.errors import CliError
 
 KINDS = ("off", "disk", "s3")
 DEFAULT_MAX_BYTES = 10 << 30
@@ -118,10 +118,10 @@ def signing_key(args: argparse.Namespace) -> bytes | None:
 
 def attach(engine: Any, snapshot_id: str, config: KVTierConfig) -> dict[str, Any]:
     """Give ``engine`` its tier; returns what /status says about it."""
-    from runtime.engine.kv_tier import DEFAULT_SEGMENT_BLOCKS, KVTier, TierScope
-    from snapshot.kv_tier_backends import DiskBackend, StoreBackend
-    from snapshot.s3 import REQUEST_SIZED
-    from snapshot.stores import open_store
+    from warmstart.runtime.engine.kv_tier import DEFAULT_SEGMENT_BLOCKS, KVTier, TierScope
+    from warmstart.snapshot.kv_tier_backends import DiskBackend, StoreBackend
+    from warmstart.snapshot.s3 import REQUEST_SIZED
+    from warmstart.snapshot.stores import open_store
 
     backend: DiskBackend | StoreBackend
     if config.kind == "disk":

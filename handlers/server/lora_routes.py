@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import PlainTextResponse, Response
 
-from handlers.openai.requests import APIError, bad
-from handlers.server.service import on_engine
+from warmstart.handlers.openai.requests import APIError, bad
+from warmstart.handlers.server.service import on_engine
 
 if TYPE_CHECKING:
-    from handlers.server.state import ServeState
-    from runtime.async_engine import AsyncLLM
-    from runtime.engine.lora import LoraStats
+    from warmstart.handlers.server.state import ServeState
+    from warmstart.runtime.async_engine import AsyncLLM
+    from warmstart.runtime.engine.lora import LoraStats
 
 LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # as snapshot.adapters.ADAPTER_NAME
 
@@ -61,9 +61,9 @@ async def load_lora_adapter(state: ServeState, body: Any) -> Response:
 def _fetch(state: ServeState, path: str) -> tuple[dict[str, Any], Callable[[], Any]]:
     """Off the event loop: the adapter's blobs pulled and verified, and read once, so that a bad one fails here
     rather than at the first request that names it."""
-    from snapshot.errors import StoreError
-    from snapshot.format import FormatError
-    from snapshot.lora import LoraError, LoraNotFound
+    from warmstart.snapshot.errors import StoreError
+    from warmstart.snapshot.format import FormatError
+    from warmstart.snapshot.lora import LoraError, LoraNotFound
 
     if state.lora_source is None:
         raise bad("this server has no store to fetch LoRA adapters from", "lora_path", "BadRequestError")

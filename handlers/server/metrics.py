@@ -15,12 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import Timeline
 
 if TYPE_CHECKING:
-    from runtime.engine.lora import LoraStats
-    from runtime.engine.tensor_parallel import CommStats
-    from runtime.outputs import EngineStats
+    from warmstart.runtime.engine.lora import LoraStats
+    from warmstart.runtime.engine.tensor_parallel import CommStats
+    from warmstart.runtime.outputs import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_IGNORED_NAMES = 32

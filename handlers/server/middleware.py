@@ -18,7 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from runtime.outputs import RequestOutput
+    from warmstart.runtime.outputs import RequestOutput
 
 REQUEST_ID_HEADER = b"x-request-id"
 # Sane: what a tracer or proxy sends (uuids, hex, base64url, dotted or colon-separated ids), short enough to log.

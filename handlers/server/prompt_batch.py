@@ -12,9 +12,9 @@ from typing import Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from handlers.openai.replies import SSE_DONE, sse
-from handlers.openai.requests import bad
-from handlers.server.service import EventStream
+from warmstart.handlers.openai.replies import SSE_DONE, sse
+from warmstart.handlers.openai.requests import bad
+from warmstart.handlers.server.service import EventStream
 
 
 def split_prompts(body: Any) -> list[dict[str, Any]] | None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from handlers.openai.requests import bad, json_type
+from warmstart.handlers.openai.requests import bad, json_type
 
 # Responses fields with no effect on what this server generates: dropped before the chat parser sees the body.
 IGNORED = {"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",

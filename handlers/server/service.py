@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from handlers.openai.replies import SSE_DONE, Reply, sse
-from handlers.openai.requests import APIError, Generation, ServedModel, bad
-from handlers.server.metrics import Metrics
-from handlers.server.middleware import record_usage
-from handlers.server.timeline import Timeline
+from warmstart.handlers.openai.replies import SSE_DONE, Reply, sse
+from warmstart.handlers.openai.requests import APIError, Generation, ServedModel, bad
+from warmstart.handlers.server.metrics import Metrics
+from warmstart.handlers.server.middleware import record_usage
+from warmstart.handlers.server.timeline import Timeline
 
 if TYPE_CHECKING:
-    from runtime.async_engine import AsyncLLM
-    from runtime.outputs import RequestOutput
+    from warmstart.runtime.async_engine import AsyncLLM
+    from warmstart.runtime.outputs import RequestOutput
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class Service:
 
     async def respond(self, prepare: Callable[[], Generation], receive: Receive) -> Response:
         """Serve the request ``prepare`` validates and tokenizes (in a thread, holding a slot meanwhile)."""
-        from runtime.async_engine import EngineDeadError
+        from warmstart.runtime.async_engine import EngineDeadError
 
         if self.in_flight >= self.max_running + self.max_queue:
             raise APIError(429, f"the server is full: {self.in_flight} requests in flight ({self.max_running} run "
@@ -126,7 +126,7 @@ class _Run:
 
     async def next(self) -> RequestOutput:
         if self.service.cut:
-            from runtime.async_engine import EngineDeadError
+            from warmstart.runtime.async_engine import EngineDeadError
 
             raise EngineDeadError("the server is shutting down")
         out = await anext(self.stream)
@@ -196,7 +196,7 @@ class EventStream(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self) -> AsyncIterator[bytes]:
-        from runtime.async_engine import EngineDeadError
+        from warmstart.runtime.async_engine import EngineDeadError
 
         out, first = self.first, True
         while True:

@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from handlers.openai.requests import APIError, Prefix, ServedModel
-from handlers.server.kv_tier_options import KVTierConfig
-from handlers.server.kv_tier_options import attach as attach_kv_tier
-from handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
-from handlers.server.metrics import Metrics
-from handlers.server.service import Service
-from handlers.server.timeline import Timeline
+from warmstart.handlers.openai.requests import APIError, Prefix, ServedModel
+from warmstart.handlers.server.kv_tier_options import KVTierConfig
+from warmstart.handlers.server.kv_tier_options import attach as attach_kv_tier
+from warmstart.handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
+from warmstart.handlers.server.metrics import Metrics
+from warmstart.handlers.server.service import Service
+from warmstart.handlers.server.timeline import Timeline
 
 if TYPE_CHECKING:
-    from runtime.async_engine import AsyncLLM
-    from runtime.engine.tensor_parallel import TensorParallelGroup
-    from snapshot.lora import LoraSource
+    from warmstart.runtime.async_engine import AsyncLLM
+    from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup
+    from warmstart.snapshot.lora import LoraSource
 
 # What the server's info reports about the engine, in this order.
 ENGINE_INFO = ("dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -122,16 +122,16 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
     it pulls and maps its own shard, and gathers the other ranks' pull and map times."""
     timeline = state.timeline
     try:
-        from runtime.async_engine import AsyncLLM
-        from snapshot.cache import BlobCache
-        from snapshot.loader import load_with_report
-        from snapshot.lora import LoraSource
+        from warmstart.runtime.async_engine import AsyncLLM
+        from warmstart.snapshot.cache import BlobCache
+        from warmstart.snapshot.loader import load_with_report
+        from warmstart.snapshot.lora import LoraSource
 
         timeline.mark("runtime_imports")
         started = time.monotonic()
         blob_cache = BlobCache(cache)
         if tensor_parallel > 1:
-            from runtime.engine.tensor_parallel import TensorParallelGroup
+            from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup
 
             state.group = TensorParallelGroup(timeout_s=collective_timeout, device=device)
         llm, report = load_with_report(state.ref, store, blob_cache, group=state.group, device=device,
@@ -214,11 +214,11 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
 def _describe(e: Exception, ref: str) -> str:
     """One sentence for a load that failed: the loader's own errors say what to do; anything else is a bug."""
     try:
-        from runtime.engine.device import DeviceError
-        from runtime.models.config import ModelConfigError
-        from snapshot.errors import StoreError
-        from snapshot.format import FormatError
-        from snapshot.loader import SnapshotError
+        from warmstart.runtime.engine.device import DeviceError
+        from warmstart.runtime.models.config import ModelConfigError
+        from warmstart.snapshot.errors import StoreError
+        from warmstart.snapshot.format import FormatError
+        from warmstart.snapshot.loader import SnapshotError
 
         known: tuple[type[Exception], ...] = (StoreError, FormatError, SnapshotError, ModelConfigError, DeviceError)
     except Exception:  # the runtime itself failed to import (e's cause, which importing it again raises again)

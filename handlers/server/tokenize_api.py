@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from handlers.openai.requests import Body, ServedModel, _adapter, _messages, _token_ids, bad
+from warmstart.handlers.openai.requests import Body, ServedModel, _adapter, _messages, _token_ids, bad
 
 if TYPE_CHECKING:
     pass

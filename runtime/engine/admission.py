@@ -3,10 +3,10 @@ sequence may start now (asked by the scheduler): its KV tier lookup is over and 
 
 from __future__ import annotations
 
-from runtime.engine.block_manager import NO_PARENT, BlockManager
-from runtime.engine.lora import LoraLoadError, LoraManager
-from runtime.engine.sequence import Sequence
-from runtime.engine.tier_link import TierLink
+from warmstart.runtime.engine.block_manager import NO_PARENT, BlockManager
+from warmstart.runtime.engine.lora import LoraLoadError, LoraManager
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.engine.tier_link import TierLink
 
 
 class Admission:

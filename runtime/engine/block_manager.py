@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 
 import xxhash
 
-from runtime.engine.sequence import Sequence
+from warmstart.runtime.engine.sequence import Sequence
 
 NO_PARENT = 0
 

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
-from runtime.models.model import Model
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.models.model import Model
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Capture before serving stops once the next size would take the total past this (measured on the last one).

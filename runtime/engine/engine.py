@@ -18,31 +18,31 @@ from typing import Any
 
 import torch
 
-from runtime.engine.adapters import AdapterSelector, VirtualPrefix
-from runtime.engine.admission import Admission
-from runtime.engine.block_manager import BlockManager, block_hashes
-from runtime.engine.device import resolve_device
-from runtime.engine.dtype_choice import AUTO, cpu_path, resolve_dtype
-from runtime.engine.input_processor import InputProcessor, Prompt
-from runtime.engine.kv_sizing import check_pool_holds_pinned, kv_blocks_for_memory
-from runtime.engine.kv_tier import KVTier
-from runtime.engine.lora import LoraManager, LoraWeights
-from runtime.engine.model_runner import ModelRunner, StepInputs
-from runtime.engine.options import EngineOptions
-from runtime.engine.output_processor import NewTokens, OutputProcessor
-from runtime.engine.pinned_prefixes import PinnedPrefixes
-from runtime.engine.scheduler import ScheduledBatch, Scheduler
-from runtime.engine.sequence import Sequence, Status, TokenLogprobs
-from runtime.engine.speculative import DraftProposer, SpecStats, check_draft_compatible, speculation_for
-from runtime.engine.tier_link import TierLink
-from runtime.generation_config import GenerationDefaults
-from runtime.layers.linear import packing_dtype
-from runtime.models.config import ModelConfig
-from runtime.models.model import Collective, Model
-from runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background, weights_to
-from runtime.outputs import EngineStats, RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer import Tokenizer
+from warmstart.runtime.engine.adapters import AdapterSelector, VirtualPrefix
+from warmstart.runtime.engine.admission import Admission
+from warmstart.runtime.engine.block_manager import BlockManager, block_hashes
+from warmstart.runtime.engine.device import resolve_device
+from warmstart.runtime.engine.dtype_choice import AUTO, cpu_path, resolve_dtype
+from warmstart.runtime.engine.input_processor import InputProcessor, Prompt
+from warmstart.runtime.engine.kv_sizing import check_pool_holds_pinned, kv_blocks_for_memory
+from warmstart.runtime.engine.kv_tier import KVTier
+from warmstart.runtime.engine.lora import LoraManager, LoraWeights
+from warmstart.runtime.engine.model_runner import ModelRunner, StepInputs
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.output_processor import NewTokens, OutputProcessor
+from warmstart.runtime.engine.pinned_prefixes import PinnedPrefixes
+from warmstart.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from warmstart.runtime.engine.sequence import Sequence, Status, TokenLogprobs
+from warmstart.runtime.engine.speculative import DraftProposer, SpecStats, check_draft_compatible, speculation_for
+from warmstart.runtime.engine.tier_link import TierLink
+from warmstart.runtime.generation_config import GenerationDefaults
+from warmstart.runtime.layers.linear import packing_dtype
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.model import Collective, Model
+from warmstart.runtime.models.weights import DTYPES, ModelWeights, load_weights, prepack_in_background, weights_to
+from warmstart.runtime.outputs import EngineStats, RequestOutput
+from warmstart.runtime.sampling_params import SamplingParams
+from warmstart.runtime.tokenizer import Tokenizer
 
 __all__ = ["EngineOptions", "LLMEngine", "Prompt"]
 

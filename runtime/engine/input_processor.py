@@ -9,14 +9,14 @@ from collections.abc import Container
 
 import torch
 
-from runtime.engine.adapters import AdapterSelector, VirtualPrefix
-from runtime.engine.admission import Admission
-from runtime.engine.block_manager import NO_PARENT, salted_root
-from runtime.engine.lora import LoraManager
-from runtime.engine.sequence import Sequence
-from runtime.engine.structured import GrammarCompiler, compiler_for
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer import Tokenizer
+from warmstart.runtime.engine.adapters import AdapterSelector, VirtualPrefix
+from warmstart.runtime.engine.admission import Admission
+from warmstart.runtime.engine.block_manager import NO_PARENT, salted_root
+from warmstart.runtime.engine.lora import LoraManager
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.engine.structured import GrammarCompiler, compiler_for
+from warmstart.runtime.sampling_params import SamplingParams
+from warmstart.runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

@@ -7,12 +7,12 @@ import os
 
 import torch
 
-from runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
-from runtime.engine.device import cuda_memory
-from runtime.engine.dtype_choice import AUTO
-from runtime.engine.options import EngineOptions
-from runtime.models.config import ModelConfig
-from runtime.models.weights import DTYPES
+from warmstart.runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
+from warmstart.runtime.engine.device import cuda_memory
+from warmstart.runtime.engine.dtype_choice import AUTO
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import DTYPES
 
 # Kept beside the pool on CUDA for what the estimate of activation_reserve leaves out: cuBLAS workspaces, the
 # caching allocator's rounding and fragmentation. An estimate, not a measurement: benchmarks/gpu_check.py

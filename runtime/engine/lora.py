@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import xxhash
 
-from runtime.layers.lora import LoraSlots, LoraStep, lora_step
-from runtime.models.config import ModelConfig
+from warmstart.runtime.layers.lora import LoraSlots, LoraStep, lora_step
+from warmstart.runtime.models.config import ModelConfig
 
 # The engine's fused linears and the PEFT (HF) modules they are made of, in the order of their output rows.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {

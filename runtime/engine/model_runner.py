@@ -10,23 +10,23 @@ from typing import Any
 
 import torch
 
-from runtime.engine.cuda_graphs import (
+from warmstart.runtime.engine.cuda_graphs import (
     CAPTURE_BUDGET_S,
     DEFAULT_BATCH_SIZES,
     DecodeGraphs,
     GraphBackend,
     batch_sizes_for,
 )
-from runtime.engine.lora import LoraManager
-from runtime.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logits
-from runtime.engine.rejection_sampler import verify
-from runtime.engine.sampler import Sampler
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import Sequence, TokenLogprobs
-from runtime.engine.structured import apply_grammar_masks
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
-from runtime.layers.lora import LoraStep
-from runtime.models.model import Model
+from warmstart.runtime.engine.lora import LoraManager
+from warmstart.runtime.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logits
+from warmstart.runtime.engine.rejection_sampler import verify
+from warmstart.runtime.engine.sampler import Sampler
+from warmstart.runtime.engine.scheduler import ScheduledBatch
+from warmstart.runtime.engine.sequence import Sequence, TokenLogprobs
+from warmstart.runtime.engine.structured import apply_grammar_masks
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.layers.lora import LoraStep
+from warmstart.runtime.models.model import Model
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work, where decode attention pads
 # every sequence to the longest of its group (the gather path of runtime/layers/attention.py): a group costs a few
@@ -101,7 +101,7 @@ class ModelRunner:
         """Call every kernel of a prefill and a decode step once, so that what Triton compiles (or loads from
         its carried cache) is paid before serving and shows in the timeline, not in the first request. The
         block table is all -1: the KV writes skip negative slots and attention reads the zeroed block 0."""
-        from runtime.kernels import cached_kernels, carried_cache_dir
+        from warmstart.runtime.kernels import cached_kernels, carried_cache_dir
 
         cache_dir = carried_cache_dir(self.device)
         before = cached_kernels(cache_dir)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from runtime.engine.dtype_choice import AUTO
-from runtime.models.config import ModelConfig
-from runtime.models.weights import DTYPES
+from warmstart.runtime.engine.dtype_choice import AUTO
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import DTYPES
 
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.engine.sequence import Sequence, Timestamps, TokenLogprobs
-from runtime.outputs import RequestOutput
-from runtime.tokenizer import Detokenizer, Tokenizer
+from warmstart.runtime.engine.sequence import Sequence, Timestamps, TokenLogprobs
+from warmstart.runtime.outputs import RequestOutput
+from warmstart.runtime.tokenizer import Detokenizer, Tokenizer
 
 
 @dataclass

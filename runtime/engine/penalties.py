@@ -19,7 +19,7 @@ from array import array
 
 import torch
 
-from runtime.engine.sequence import Sequence
+from warmstart.runtime.engine.sequence import Sequence
 
 
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

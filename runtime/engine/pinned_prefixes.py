@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.adapters import VirtualPrefix, virtual_token_ids
-from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
-from runtime.engine.model_runner import ModelRunner
-from runtime.engine.sequence import Sequence
-from runtime.engine.speculative import DraftProposer
-from runtime.models.config import ModelConfig
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.adapters import VirtualPrefix, virtual_token_ids
+from warmstart.runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from warmstart.runtime.engine.model_runner import ModelRunner
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.engine.speculative import DraftProposer
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.sampling_params import SamplingParams
 
 
 class PinnedPrefixes:

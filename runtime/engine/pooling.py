@@ -13,11 +13,11 @@ from collections.abc import Sequence as Seq
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.input_processor import Prompt
-from runtime.engine.model_runner import Chunk
-from runtime.engine.sequence import Sequence
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.input_processor import Prompt
+from warmstart.runtime.engine.model_runner import Chunk
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.sampling_params import SamplingParams
 
 POOLING = ("last", "mean")
 

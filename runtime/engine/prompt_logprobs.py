@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.sequence import Sequence, TokenLogprobs
+from warmstart.runtime.engine.sequence import Sequence, TokenLogprobs
 
 
 def wants_prompt_logits(seq: Sequence, start: int) -> bool:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.sampler import Sampler
-from runtime.engine.sequence import Sequence, TokenLogprobs
+from warmstart.runtime.engine.sampler import Sampler
+from warmstart.runtime.engine.sequence import Sequence, TokenLogprobs
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence) -> tuple[list[int], list[TokenLogprobs | None]]:

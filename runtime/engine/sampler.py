@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.penalties import adjust_logits
-from runtime.engine.sequence import Sequence, TokenLogprobs
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.penalties import adjust_logits
+from warmstart.runtime.engine.sequence import Sequence, TokenLogprobs
+from warmstart.runtime.sampling_params import SamplingParams
 
 
 class Sampler:

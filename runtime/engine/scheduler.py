@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.sequence import Sequence, Status
+from warmstart.runtime.engine.block_manager import BlockManager
+from warmstart.runtime.engine.sequence import Sequence, Status
 
 
 @dataclass

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.engine.structured import GrammarMatcher
+    from warmstart.runtime.engine.structured import GrammarMatcher
 
 
 class Status(enum.Enum):

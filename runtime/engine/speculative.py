@@ -17,14 +17,14 @@ from typing import Protocol
 
 import torch
 
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.model_runner import Chunk, ModelRunner
-from runtime.engine.options import EngineOptions
-from runtime.engine.sampler import Sampler
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import Sequence
-from runtime.models.config import ModelConfig
-from runtime.models.model import Model
+from warmstart.runtime.engine.block_manager import BlockManager
+from warmstart.runtime.engine.model_runner import Chunk, ModelRunner
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.sampler import Sampler
+from warmstart.runtime.engine.scheduler import ScheduledBatch
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.model import Model
 
 
 @dataclass

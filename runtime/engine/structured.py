@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.structured_outputs import StructuredOutputsParams
+from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from runtime.tokenizer import Tokenizer
+    from warmstart.runtime.tokenizer import Tokenizer
 
 CACHED_GRAMMARS = 256  # compiled grammars kept per tokenizer, least recently used dropped first
 # JSON without free whitespace: the key and item separators are fixed (as json.dumps writes them), so a model

@@ -35,19 +35,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from runtime.engine.device import check_device_name, resolve_device
-from runtime.engine.engine import LLMEngine
-from runtime.engine.kv_sizing import kv_blocks_for_memory
-from runtime.engine.model_runner import ModelRunner, StepInputs
-from runtime.engine.options import EngineOptions
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
-from runtime.models.config import ModelConfig
-from runtime.models.weights import LayerWeights, ModelWeights
-from runtime.quant.formats import Int8Weight
-from runtime.tokenizer import Tokenizer
+from warmstart.runtime.engine.device import check_device_name, resolve_device
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.kv_sizing import kv_blocks_for_memory
+from warmstart.runtime.engine.model_runner import ModelRunner, StepInputs
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import LayerWeights, ModelWeights
+from warmstart.runtime.quant.formats import Int8Weight
+from warmstart.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from runtime.models.weights import LinearWeight
+    from warmstart.runtime.models.weights import LinearWeight
 
 DEFAULT_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT = timedelta(days=365)

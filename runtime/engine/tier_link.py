@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine.block_manager import BlockManager, block_hashes
-from runtime.engine.kv_tier import KVTier, Lookup
-from runtime.engine.model_runner import ModelRunner
-from runtime.engine.sequence import Sequence, Status
+from warmstart.runtime.engine.block_manager import BlockManager, block_hashes
+from warmstart.runtime.engine.kv_tier import KVTier, Lookup
+from warmstart.runtime.engine.model_runner import ModelRunner
+from warmstart.runtime.engine.sequence import Sequence, Status
 
 KNOWN_SEGMENTS = 65536  # last-block hashes of segments known to be in the tier, least recently seen dropped first
 

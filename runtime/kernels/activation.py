@@ -12,7 +12,7 @@ try:
 except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
-from runtime.kernels import require_triton
+from warmstart.runtime.kernels import require_triton
 
 if HAVE_TRITON:
 

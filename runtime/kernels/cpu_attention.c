@@ -807,7 +807,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "runtime.kernels._cpu_attention", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_attention", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu_attention(void) {
     isa_init();

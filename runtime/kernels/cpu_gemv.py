@@ -14,12 +14,12 @@ from types import ModuleType
 
 import torch
 
-from runtime.kernels import isa
-from runtime.kernels.switches import kernel_chosen
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.kernels.switches import kernel_chosen
 
 _ext: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
-    from runtime.kernels import _cpu_gemv as _ext
+    from warmstart.runtime.kernels import _cpu_gemv as _ext
 except ImportError:  # pragma: no cover - depends on the install
     _ext = None
 

@@ -14,14 +14,14 @@ from types import ModuleType
 
 import torch
 
-from runtime.kernels import isa
-from runtime.kernels.switches import kernel_chosen
-from runtime.layers.lora import LoraStep
-from runtime.layers.lora import add_lora as torch_add_lora
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.kernels.switches import kernel_chosen
+from warmstart.runtime.layers.lora import LoraStep
+from warmstart.runtime.layers.lora import add_lora as torch_add_lora
 
 _ext: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
-    from runtime.kernels import _cpu_lora as _ext
+    from warmstart.runtime.kernels import _cpu_lora as _ext
 except ImportError:  # pragma: no cover - depends on the install
     _ext = None
 

@@ -11,11 +11,11 @@ from types import ModuleType
 
 import torch
 
-from runtime.kernels.switches import kernel_chosen
+from warmstart.runtime.kernels.switches import kernel_chosen
 
 _ext: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
-    from runtime.kernels import _cpu_small_ops as _ext
+    from warmstart.runtime.kernels import _cpu_small_ops as _ext
 except ImportError:  # pragma: no cover - depends on the install
     _ext = None
 

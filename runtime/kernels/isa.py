@@ -31,7 +31,7 @@ def _load() -> list[ModuleType]:
     loaded = []
     for name in _EXTENSIONS:
         with contextlib.suppress(ImportError):  # built by setup.py; absent where the install had no C compiler
-            loaded.append(importlib.import_module(f"runtime.kernels.{name}"))
+            loaded.append(importlib.import_module(f"{__package__}.{name}"))
     return loaded
 
 

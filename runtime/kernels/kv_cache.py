@@ -12,8 +12,10 @@ try:
 except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
-from runtime.kernels import require_triton
-from runtime.layers.attention import write_kv as write_kv_reference  # the engine's own PyTorch op is the reference
+from warmstart.runtime.kernels import require_triton
+from warmstart.runtime.layers.attention import (
+    write_kv as write_kv_reference,  # the engine's own PyTorch op is the reference
+)
 
 __all__ = ["write_kv", "write_kv_reference"]
 

@@ -21,14 +21,14 @@ try:
     import triton
     import triton.language as tl
 
-    from runtime.kernels.dot import dot
+    from warmstart.runtime.kernels.dot import dot
 
     HAVE_TRITON = True
 except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
-from runtime.kernels import require_triton
-from runtime.layers.lora import LoraStep
+from warmstart.runtime.kernels import require_triton
+from warmstart.runtime.layers.lora import LoraStep
 
 BLOCK_M = 16  # tl.dot's minimum
 BLOCK_IN = 64

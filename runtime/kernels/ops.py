@@ -10,18 +10,18 @@ from typing import Any
 
 import torch
 
-from runtime.kernels.activation import silu_and_mul
-from runtime.kernels.kv_cache import write_kv
-from runtime.kernels.lora import add_lora
-from runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from runtime.kernels.quant_matmul import quantized_linear
-from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-from runtime.kernels.rotary import rotary_
-from runtime.layers.attention import AttentionMetadata
-from runtime.layers.linear import LinearWeight, linear
-from runtime.layers.lora import LoraStep
-from runtime.layers.rotary import RotaryTables
-from runtime.quant.formats import Int4Weight, Int8Weight
+from warmstart.runtime.kernels.activation import silu_and_mul
+from warmstart.runtime.kernels.kv_cache import write_kv
+from warmstart.runtime.kernels.lora import add_lora
+from warmstart.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from warmstart.runtime.kernels.quant_matmul import quantized_linear
+from warmstart.runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from warmstart.runtime.kernels.rotary import rotary_
+from warmstart.runtime.layers.attention import AttentionMetadata
+from warmstart.runtime.layers.linear import LinearWeight, linear
+from warmstart.runtime.layers.lora import LoraStep
+from warmstart.runtime.layers.rotary import RotaryTables
+from warmstart.runtime.quant.formats import Int4Weight, Int8Weight
 
 
 class TritonOps:

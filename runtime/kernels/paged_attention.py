@@ -23,13 +23,13 @@ try:
     import triton
     import triton.language as tl
 
-    from runtime.kernels.dot import dot
+    from warmstart.runtime.kernels.dot import dot
 
     HAVE_TRITON = True
 except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
-from runtime.kernels import require_triton
+from warmstart.runtime.kernels import require_triton
 
 # Programs enough to fill a large GPU; below this many (sequences x KV heads), decode splits its keys.
 TARGET_PROGRAMS = 256

@@ -18,14 +18,14 @@ try:
     import triton
     import triton.language as tl
 
-    from runtime.kernels.dot import dot
+    from warmstart.runtime.kernels.dot import dot
 
     HAVE_TRITON = True
 except ImportError:  # the kernels are then unavailable; runtime/layers' references still work
     HAVE_TRITON = False
 
-from runtime.kernels import require_triton
-from runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight
+from warmstart.runtime.kernels import require_triton
+from warmstart.runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight
 
 
 def quantized_linear_reference(x: torch.Tensor, w: Int8Weight | Int4Weight) -> torch.Tensor:

@@ -20,12 +20,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import isa
-from runtime.kernels.switches import kernel_chosen
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.kernels.switches import kernel_chosen
 
 _cpu_attention: ModuleType | None
 try:  # built by setup.py; absent where the install had no C compiler
-    from runtime.kernels import _cpu_attention
+    from warmstart.runtime.kernels import _cpu_attention
 except ImportError:  # pragma: no cover - depends on the install
     _cpu_attention = None
 

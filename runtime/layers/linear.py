@@ -8,9 +8,9 @@ from typing import TypeAlias
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import isa
-from runtime.quant.formats import QuantizedWeight
-from runtime.quant.packed_linear import PackedWeight, widened_linear
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.quant.formats import QuantizedWeight
+from warmstart.runtime.quant.packed_linear import PackedWeight, widened_linear
 
 LinearWeight: TypeAlias = torch.Tensor | QuantizedWeight | PackedWeight
 

@@ -13,14 +13,14 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.kernels import cpu_gemv
-from runtime.kernels import cpu_small_ops as small_ops
-from runtime.layers import attention
-from runtime.layers.activation import silu_and_mul
-from runtime.layers.attention import AttentionMetadata
-from runtime.layers.linear import LinearWeight, linear, plain_weight
-from runtime.layers.norm import add_rms_norm, rms_norm
-from runtime.layers.rotary import RotaryTables, apply_rotary
+from warmstart.runtime.kernels import cpu_gemv
+from warmstart.runtime.kernels import cpu_small_ops as small_ops
+from warmstart.runtime.layers import attention
+from warmstart.runtime.layers.activation import silu_and_mul
+from warmstart.runtime.layers.attention import AttentionMetadata
+from warmstart.runtime.layers.linear import LinearWeight, linear, plain_weight
+from warmstart.runtime.layers.norm import add_rms_norm, rms_norm
+from warmstart.runtime.layers.rotary import RotaryTables, apply_rotary
 
 KERNELS_ENV = "WARMSTART_KERNELS"
 CHOICES = ("torch", "triton")
@@ -136,9 +136,9 @@ def select_ops(
             "TRITON_INTERPRET=1 before starting (or use the default PyTorch path)"
         )
     # Imported here, not at the top: the CPU path never pays for importing triton (cold start).
-    from runtime.kernels import use_carried_cache
+    from warmstart.runtime.kernels import use_carried_cache
 
     use_carried_cache(device)
-    from runtime.kernels.ops import TritonOps
+    from warmstart.runtime.kernels.ops import TritonOps
 
     return TritonOps()

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import cpu_gemv
-from runtime.kernels.switches import kernel_chosen
-from runtime.layers.attention import AttentionMetadata, decode_kernel_serves
-from runtime.layers.linear import plain_weight
-from runtime.layers.rotary import RotaryTables
-from runtime.models.config import ModelConfig
-from runtime.models.weights import LINEAR_FIELDS, ModelWeights
+from warmstart.runtime.kernels import cpu_gemv
+from warmstart.runtime.kernels.switches import kernel_chosen
+from warmstart.runtime.layers.attention import AttentionMetadata, decode_kernel_serves
+from warmstart.runtime.layers.linear import plain_weight
+from warmstart.runtime.layers.rotary import RotaryTables
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import LINEAR_FIELDS, ModelWeights
 
 FUSED_ENV = "WARMSTART_CPU_FUSED_DECODE"
 # The most decode rows the path takes: the kernel's most. A decode step of SmolLM2-135M against the ordinary ops

@@ -12,15 +12,15 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.kernels.activation import silu_and_mul
-from runtime.kernels.kv_cache import write_kv
-from runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from runtime.kernels.quant_matmul import quantized_linear
-from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-from runtime.kernels.rotary import rotary_
-from runtime.layers.rotary import RotaryTables
-from runtime.models.config import ModelConfig, rope_inv_freq
-from runtime.quant.formats import Int8Weight
+from warmstart.runtime.kernels.activation import silu_and_mul
+from warmstart.runtime.kernels.kv_cache import write_kv
+from warmstart.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from warmstart.runtime.kernels.quant_matmul import quantized_linear
+from warmstart.runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from warmstart.runtime.kernels.rotary import rotary_
+from warmstart.runtime.layers.rotary import RotaryTables
+from warmstart.runtime.models.config import ModelConfig, rope_inv_freq
+from warmstart.runtime.quant.formats import Int8Weight
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:

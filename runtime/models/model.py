@@ -12,15 +12,15 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import cpu_lora
-from runtime.layers import lora as torch_lora
-from runtime.layers.attention import AttentionMetadata
-from runtime.layers.lora import LoraStep
-from runtime.layers.ops import select_ops
-from runtime.layers.rotary import RotaryTables
-from runtime.models.config import ModelConfig, rope_inv_freq
-from runtime.models.fused_decode import FusedDecode
-from runtime.models.weights import ModelWeights
+from warmstart.runtime.kernels import cpu_lora
+from warmstart.runtime.layers import lora as torch_lora
+from warmstart.runtime.layers.attention import AttentionMetadata
+from warmstart.runtime.layers.lora import LoraStep
+from warmstart.runtime.layers.ops import select_ops
+from warmstart.runtime.layers.rotary import RotaryTables
+from warmstart.runtime.models.config import ModelConfig, rope_inv_freq
+from warmstart.runtime.models.fused_decode import FusedDecode
+from warmstart.runtime.models.weights import ModelWeights
 
 Collective = Callable[[torch.Tensor], torch.Tensor]
 

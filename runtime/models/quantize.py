@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from runtime.models.weights import LINEAR_FIELDS, ModelWeights
-from runtime.quant.quantize import SCHEMES, check_fits, choose_group_size, quantize
+from warmstart.runtime.models.weights import LINEAR_FIELDS, ModelWeights
+from warmstart.runtime.quant.quantize import SCHEMES, check_fits, choose_group_size, quantize
 
 
 def quantize_model(

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from runtime.kernels.cpu_gemv import gemv_serves
-from runtime.layers.linear import LinearWeight, packing_dtype
-from runtime.models.config import ModelConfig, ModelConfigError
-from runtime.models.huge_pages import HugePageArena
-from runtime.quant.formats import from_tensors
-from runtime.quant.packed_linear import PackedWeight
+from warmstart.runtime.kernels.cpu_gemv import gemv_serves
+from warmstart.runtime.layers.linear import LinearWeight, packing_dtype
+from warmstart.runtime.models.config import ModelConfig, ModelConfigError
+from warmstart.runtime.models.huge_pages import HugePageArena
+from warmstart.runtime.quant.formats import from_tensors
+from warmstart.runtime.quant.packed_linear import PackedWeight
 
 log = logging.getLogger(__name__)
 

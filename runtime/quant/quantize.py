@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.quant.formats import Int4Weight, Int8Weight, NF4Weight, QuantizedWeight
+from warmstart.runtime.quant.formats import Int4Weight, Int8Weight, NF4Weight, QuantizedWeight
 
 SCHEMES = ("none", "int8", "int4", "nf4")
 GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernel accepts; nf4 uses the same choices

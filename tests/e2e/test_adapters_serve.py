@@ -15,16 +15,16 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.openai.requests import APIError, ServedModel, parse_completion
-from handlers.server.app import create_app
-from handlers.server.metrics import Metrics
-from handlers.server.state import ServeState
-from handlers.server.timeline import Timeline
-from runtime import LLM, SamplingParams
-from snapshot.loader import load
 from tests.support.cli import last_json, warmstart
 from tests.support.peft_reference import make_adapter
 from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, error_of, ready_state
+from warmstart.handlers.openai.requests import APIError, ServedModel, parse_completion
+from warmstart.handlers.server.app import create_app
+from warmstart.handlers.server.metrics import Metrics
+from warmstart.handlers.server.state import ServeState
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.snapshot.loader import load
 
 TOPICS = {
     "cooking": "salt pepper oven bake flour sugar butter onion garlic soup bread dinner",

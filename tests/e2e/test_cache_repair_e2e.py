@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from runtime import SamplingParams
-from snapshot.cache import BlobCache
-from snapshot.format import Manifest, file_blob_id
-from snapshot.loader import SnapshotError, engine_from_manifest, load
+from tests.support.cli import WARMSTART
 from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot
+from warmstart.runtime import SamplingParams
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.format import Manifest, file_blob_id
+from warmstart.snapshot.loader import SnapshotError, engine_from_manifest, load
 
 PROMPT = "The quick brown fox"
 
@@ -51,7 +51,7 @@ def damage(path: Path, how: str) -> None:
 
 
 def warmstart(snap: TinySnapshot, *args: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "handlers.cli", *args, "--store", str(snap.store), "--cache",
+    proc = subprocess.run([*WARMSTART, *args, "--store", str(snap.store), "--cache",
                            str(snap.cache), "--json"], capture_output=True, text=True, timeout=120, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
@@ -93,8 +93,8 @@ def test_pull_and_verify_repair_the_cache_and_serve_answers_right(snap: TinySnap
 
 
 def test_mapping_a_blob_of_the_wrong_size_is_one_sentence(snap: TinySnapshot, tmp_path: Path) -> None:
-    from snapshot.store import LocalStore
-    from snapshot.transfer import pull_snapshot
+    from warmstart.snapshot.store import LocalStore
+    from warmstart.snapshot.transfer import pull_snapshot
 
     cache = BlobCache(tmp_path / "cache")
     raw, _ = pull_snapshot(LocalStore(snap.store), cache, snap.id)

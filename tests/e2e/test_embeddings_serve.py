@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from runtime import LLM
 from tests.support.serving import KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_side_by_side
+from warmstart.runtime import LLM
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog while the cat sleeps by the warm fire", "Hi"]
 

@@ -14,10 +14,6 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.server.app import create_app
-from handlers.server.state import Limits, ServeState, load_snapshot
-from handlers.server.timeline import Timeline
-from runtime.sampling_params import MAX_STOP_TOKEN_IDS
 from tests.support.serving import (
     AUTH,
     DOC_TEXT,
@@ -28,6 +24,10 @@ from tests.support.serving import (
     build_tiny_snapshot,
     error_of,
 )
+from warmstart.handlers.server.app import create_app
+from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime.sampling_params import MAX_STOP_TOKEN_IDS
 
 BLOCK = 16
 CONTEXT = 512

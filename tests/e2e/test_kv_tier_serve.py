@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import xxhash
 
 from tests.support.aws import isolate_aws
+from tests.support.cli import WARMSTART
 from tests.support.fault_proxy import FaultProxy
 from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot
 
@@ -157,7 +157,7 @@ def test_turn_two_after_a_restart_loads_turn_one_from_the_disk(snap: TinySnapsho
 def test_tier_flags_that_cannot_work_are_refused_before_loading(snap: TinySnapshot, flags: tuple[str, ...],
                                                                 message: str) -> None:  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "WARMSTART_KV_TIER_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", REF, "--store", str(snap.store), *flags],
+    proc = subprocess.run([*WARMSTART, "serve", REF, "--store", str(snap.store), *flags],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 

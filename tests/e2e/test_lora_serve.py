@@ -16,15 +16,15 @@ import httpx
 import openai
 import pytest
 
-from runtime import LLM, SamplingParams
-from snapshot.adapters import AdapterSpec
-from snapshot.cache import BlobCache
-from snapshot.loader import load
-from snapshot.lora import fetch_lora, lora_loader, push_lora
-from snapshot.stores import open_store
 from tests.support.cli import last_json, warmstart
 from tests.support.peft_reference import make_adapter
 from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, error_of
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.snapshot.adapters import AdapterSpec
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.loader import load
+from warmstart.snapshot.lora import fetch_lora, lora_loader, push_lora
+from warmstart.snapshot.stores import open_store
 
 LORAS = {"sql": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]},
          "chat": {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["o_proj", "gate_proj", "up_proj"]},
@@ -193,7 +193,7 @@ def test_a_stored_adapter_with_nan_weights_is_a_400_naming_the_tensor(
 
     from safetensors.torch import load_file, save_file
 
-    from runtime.engine import lora as engine_lora
+    from warmstart.runtime.engine import lora as engine_lora
 
     snap, _, dirs = built
     poisoned = tmp_path / "poison"
@@ -241,7 +241,7 @@ def test_a_tampered_adapter_record_is_a_400_naming_it(
         says: str) -> None:
     """Issue 40, 11: a document pushed by whoever can write the store, describing the math adapter's real blob
     wrongly; each was a 500."""
-    from snapshot.format import blob_id, encode_lora_document
+    from warmstart.snapshot.format import blob_id, encode_lora_document
 
     snap = built[0]
     store = open_store(str(snap.store))

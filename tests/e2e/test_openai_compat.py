@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from runtime import LLM, SamplingParams
 from tests.support.sentencepiece import metaspace_model_dir
 from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot
 from tests.support.thinking_model import REPLY_TOKENS, ThinkingModel, thinking_model_dir
+from warmstart.runtime import LLM, SamplingParams
 
 PROMPT = "Once upon a time"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"

@@ -16,10 +16,10 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.server.app import create_app
-from handlers.server.state import Limits
-from runtime.tokenizer import Tokenizer
 from tests.support.serving import AUTH, KEY, REF, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_state
+from warmstart.handlers.server.app import create_app
+from warmstart.handlers.server.state import Limits
+from warmstart.runtime.tokenizer import Tokenizer
 
 ORIGIN = "https://app.example.com"
 SECRET_PROMPT = "zebra marmalade quantum harbour"  # must never reach the access log

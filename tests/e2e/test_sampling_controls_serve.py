@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from runtime.tokenizer import Tokenizer
 from tests.support.serving import KEY, ServerProcess, TinySnapshot, build_tiny_snapshot
+from warmstart.runtime.tokenizer import Tokenizer
 
 PROMPT = "The quick brown fox jumps over"
 EOS = 2

@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from handlers.cli.main import build_parser
+from tests.support.cli import WARMSTART
 from tests.support.serving import KEY, REPO, ServerProcess, TinySnapshot, build_tiny_snapshot, ready_side_by_side
+from warmstart.handlers.cli.main import build_parser
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_each_way_of_giving_the_key_turns_auth_on(servers: dict[str, ServerProce
 
 
 def serve(snap: TinySnapshot, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "tiny", "--store", str(snap.store),
+    return subprocess.run([*WARMSTART, "serve", "tiny", "--store", str(snap.store),
                            "--cache", str(snap.cache), "--port", "0", *args], capture_output=True, text=True,
                           timeout=120, cwd=REPO, env={**os.environ, **env})  # fmt: skip
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.cli import WARMSTART
 from tests.support.serving import (
     AUTH,
     REF,
@@ -90,7 +90,7 @@ def test_status_and_metrics_say_which_device_and_ops_serve(servers: dict[str, Se
 
 
 def serve(snap: TinySnapshot, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "handlers.cli", "serve", REF, "--store", str(snap.store), "--cache",
+    return subprocess.Popen([*WARMSTART, "serve", REF, "--store", str(snap.store), "--cache",
                              str(snap.cache), "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

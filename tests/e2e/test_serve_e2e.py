@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.cli import WARMSTART
 from tests.support.serving import (
     AUTH,
     KEY,
@@ -255,7 +255,7 @@ def refused_within(port: int, seconds: float) -> bool:
 
 
 def test_a_snapshot_that_cannot_load_ends_the_process_with_one_sentence(snap: TinySnapshot) -> None:
-    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "nosuchref", "--store", str(snap.store),
+    proc = subprocess.run([*WARMSTART, "serve", "nosuchref", "--store", str(snap.store),
                            "--cache", str(snap.cache), "--port", "0"], capture_output=True, text=True, timeout=120,
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1
@@ -269,7 +269,7 @@ def test_demo_builds_serves_hits_the_prefix_and_streams(tiny_model_dir, tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WARMSTART_STORE": str(tmp_path / "store"),
            "WARMSTART_CACHE": str(tmp_path / "cache")}
     env.pop("WARMSTART_API_KEY", None)
-    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "demo", "--model-dir", str(tiny_model_dir("llama")),
+    proc = subprocess.run([*WARMSTART, "demo", "--model-dir", str(tiny_model_dir("llama")),
                            "--system-file", str(tmp_path / "system.txt"), "--dtype", "float32", "--port", "0",
                            "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=env)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
-from runtime import LLM, SamplingParams
-from snapshot.stores import open_store
+from tests.support.cli import WARMSTART
 from tests.support.serving import AUTH, KEY, REPO, ServerProcess, TinySnapshot
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.snapshot.stores import open_store
 
 
 def test_serve_builds_a_model_directory_then_serves_it(tiny_model_dir, tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_a_name_that_is_no_snapshot_says_how_to_make_one(tmp_path: Path) -> None
     (tmp_path / "store").mkdir()
     env = {**os.environ, "WARMSTART_API_KEY": KEY, "WARMSTART_STORE": str(tmp_path / "store"),
            "WARMSTART_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "HuggingFaceTB/SmolLM2-135M-Instruct",
+    proc = subprocess.run([*WARMSTART, "serve", "HuggingFaceTB/SmolLM2-135M-Instruct",
                            "--port", "0"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "build one with `warmstart build MODEL_DIR --tag NAME`" in proc.stderr

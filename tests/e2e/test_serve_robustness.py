@@ -17,10 +17,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.openai.requests import APIError, ServedModel, parse_completion
-from handlers.server.app import ErrorResponse, create_app
-from handlers.server.state import Limits, ServeState
 from tests.support.serving import AUTH, KEY, ServerProcess, TinySnapshot, build_tiny_snapshot, error_of, ready_state
+from warmstart.handlers.openai.requests import APIError, ServedModel, parse_completion
+from warmstart.handlers.server.app import ErrorResponse, create_app
+from warmstart.handlers.server.state import Limits, ServeState
 
 
 @pytest.fixture(scope="module")

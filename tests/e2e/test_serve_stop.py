@@ -6,13 +6,13 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import runtime
-from runtime.random_model import make_random_model
-from snapshot.build import BuildOptions, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
 from tests.support.serving import REF, ServerProcess, TinySnapshot
+from warmstart import runtime
+from warmstart.runtime.random_model import make_random_model
+from warmstart.snapshot.build import BuildOptions, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 
 def test_a_stop_during_prepacking_exits_0(tmp_path: Path) -> None:

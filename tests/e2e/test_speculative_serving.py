@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,20 +13,21 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.cli.main import build_parser
-from handlers.server.app import create_app
-from handlers.server.state import Limits, ServeState, load_snapshot
-from handlers.server.timeline import Timeline
-from runtime import SamplingParams
-from runtime.engine.speculative import DraftProposer
-from runtime.random_model import make_random_model, perturb_model
-from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.loader import SnapshotError, load
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
+from tests.support.cli import WARMSTART
 from tests.support.model_configs import FAMILIES
 from tests.support.serving import DOC_TEXT, SYSTEM_TEXT
+from warmstart.handlers.cli.main import build_parser
+from warmstart.handlers.server.app import create_app
+from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime import SamplingParams
+from warmstart.runtime.engine.speculative import DraftProposer
+from warmstart.runtime.random_model import make_random_model, perturb_model
+from warmstart.snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.loader import SnapshotError, load
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 REF = "tiny-spec"
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
@@ -146,7 +146,7 @@ def test_serve_and_build_take_the_speculative_options() -> None:
     assert (args.speculative, args.num_speculative_tokens) == ("ngram", 5)
     args = build_parser().parse_args(["build", "m", "--draft", "d", "--draft-quant", "int4"])
     assert (str(args.draft), args.draft_quant) == ("d", "int4")
-    bad = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "ref", "--speculative", "medusa"],
+    bad = subprocess.run([*WARMSTART, "serve", "ref", "--speculative", "medusa"],
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=60)
     assert bad.returncode == 2 and "--speculative" in bad.stderr
 
@@ -173,7 +173,7 @@ def test_build_draft_from_the_command_line(tiny_model_dir, tmp_path: Path) -> No
            "OMP_NUM_THREADS": "1"}
 
     def warmstart(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True,
+        return subprocess.run([*WARMSTART, *args], capture_output=True, text=True,
                               env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
 
     built = warmstart("build", str(model), "--draft", str(draft), "--draft-quant", "int8", "--dtype", "float32",

@@ -8,20 +8,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.sampling_params import SamplingParams
-from snapshot.build import BuildOptions, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
+from tests.support.cli import WARMSTART
 from tests.support.serving import AUTH, REF, REPO, ServerProcess, TinySnapshot
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.sampling_params import SamplingParams
+from warmstart.snapshot.build import BuildOptions, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 PROMPT = [5, 17, 99, 243, 12, 800, 41, 7, 300]
 
@@ -92,7 +92,7 @@ def test_build_and_inspect_on_the_command_line(tiny_model_dir, tmp_path: Path) -
            "OMP_NUM_THREADS": "1"}
 
     def warmstart(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True, env=env,
+        return subprocess.run([*WARMSTART, *args], capture_output=True, text=True, env=env,
                               timeout=300, cwd=REPO)
 
     model = tiny_model_dir("llama")  # 4 heads, 2 KV heads of 48, hidden 96

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime import LLM, EngineOptions, LLMEngine, SamplingParams
-from runtime.models.config import ModelConfigError
+from warmstart.runtime import LLM, EngineOptions, LLMEngine, SamplingParams
+from warmstart.runtime.models.config import ModelConfigError
 
 ModelDir = Callable[[str], pathlib.Path]
 VOCAB = 1000  # tests.support.model_configs.FAMILIES["llama"]["vocab_size"]

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from handlers.server.app import create_app
-from handlers.server.state import Limits, ServeState
-from handlers.server.timeline import Timeline
-from runtime import LLM, SamplingParams
-from snapshot.loader import load
 from tests.support.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
+from warmstart.handlers.server.app import create_app
+from warmstart.handlers.server.state import Limits, ServeState
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.snapshot.loader import load
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 KEY = "s3cret-key"

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from handlers.server.app import create_app
-from handlers.server.state import Limits, ServeState
 from tests.support.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
+from warmstart.handlers.server.app import create_app
+from warmstart.handlers.server.state import Limits, ServeState
 
 
 @pytest.fixture(scope="module")

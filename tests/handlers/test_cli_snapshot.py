@@ -70,8 +70,8 @@ def test_build_to_s3_then_load_from_a_cold_cache(tiny_model_dir, tmp_path: Path,
                                 "--json", env={**env, **aws}))
     assert "testing" not in json.dumps(built)
 
-    from runtime import SamplingParams
-    from snapshot.loader import load_with_report
+    from warmstart.runtime import SamplingParams
+    from warmstart.snapshot.loader import load_with_report
 
     llm, report = load_with_report("prod", store="s3://snapshots/team", cache=tmp_path / "cold", num_kv_blocks=64)
     assert report.snapshot_id == built["id"] and report.blobs_downloaded == report.blobs_total
@@ -82,7 +82,7 @@ def test_build_to_s3_then_load_from_a_cold_cache(tiny_model_dir, tmp_path: Path,
 
 def test_build_of_a_path_that_is_no_directory_says_so_before_importing_torch(tmp_path: Path) -> None:
     """Issue 34, item 6: "is not a directory" took torch's 2.5-3 s of imports to say."""
-    code = ("import sys; from handlers.cli.main import main; rc = main(['build', sys.argv[1]]); "
+    code = ("import sys; from warmstart.handlers.cli.main import main; rc = main(['build', sys.argv[1]]); "
             "print(rc, 'torch' in sys.modules)")
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "HuggingFaceTB" / "SmolLM2")],

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from handlers.server.metrics import MAX_IGNORED_NAMES, Metrics
-from handlers.server.timeline import Timeline
+from warmstart.handlers.server.metrics import MAX_IGNORED_NAMES, Metrics
+from warmstart.handlers.server.timeline import Timeline
 
 
 def counts(metrics: Metrics) -> dict[str, float]:

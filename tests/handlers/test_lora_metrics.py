@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from handlers.server.metrics import Metrics
-from handlers.server.timeline import Timeline
-from runtime.engine.lora import LoraStats
+from warmstart.handlers.server.metrics import Metrics
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime.engine.lora import LoraStats
 
 
 def samples(text: str) -> dict[str, float]:

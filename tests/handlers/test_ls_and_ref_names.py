@@ -6,24 +6,24 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from handlers.cli.main import main
-from handlers.cli.snapshots import LS_INCOMPLETE
-from snapshot.errors import StoreError
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
-from snapshot.refs import resolve_ref
-from snapshot.store import LocalStore
+from tests.support.cli import WARMSTART
+from warmstart.handlers.cli.main import main
+from warmstart.handlers.cli.snapshots import LS_INCOMPLETE
+from warmstart.snapshot.errors import StoreError
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
+from warmstart.snapshot.refs import resolve_ref
+from warmstart.snapshot.store import LocalStore
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def warmstart(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "WARMSTART_STORE": str(store), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([*WARMSTART, *args], capture_output=True, text=True, env=env,
                           timeout=120, cwd=REPO)
 
 

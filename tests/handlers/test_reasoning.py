@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from handlers.openai.reasoning import ReasoningStream, Split, message_fields, split
+from warmstart.handlers.openai.reasoning import ReasoningStream, Split, message_fields, split
 
 
 @pytest.mark.parametrize(("parser", "text", "expected"), [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from handlers.openai.requests import APIError, ServedModel, parse_completion
+from warmstart.handlers.openai.requests import APIError, ServedModel, parse_completion
 
 
 def model(**defaults: float) -> ServedModel:

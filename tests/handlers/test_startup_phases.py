@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-import runtime.kernels
-from runtime.engine.model_runner import ModelRunner
+import warmstart.runtime.kernels
 from tests.support.graphs import RerunBackend
 from tests.support.serving import build_tiny_snapshot, ready_state
+from warmstart.runtime.engine.model_runner import ModelRunner
 
 
 def test_kernel_and_graph_phases_come_between_mapped_and_ready(
@@ -28,7 +28,7 @@ def test_kernel_and_graph_phases_come_between_mapped_and_ready(
     monkeypatch.setenv("WARMSTART_KERNELS", "triton")
     monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test: the engine sets it
     monkeypatch.delenv("TRITON_CACHE_DIR")
-    monkeypatch.setattr(runtime.kernels, "_carried_base", None)
+    monkeypatch.setattr(warmstart.runtime.kernels, "_carried_base", None)
     original = ModelRunner.__init__
 
     def as_on_cuda(self: ModelRunner, *args: Any, **kwargs: Any) -> None:

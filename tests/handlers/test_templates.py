@@ -10,6 +10,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from handlers.cli.templates import PLATFORMS
+from tests.support.cli import WARMSTART
+from warmstart.handlers.cli.templates import PLATFORMS
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -80,7 +82,7 @@ def run(*args: str | Path, env: dict[str, str] | None = None, cwd: Path = ROOT,
 
 
 def warmstart(*args: str | Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return run(sys.executable, "-m", "handlers.cli", *args, env=env)
+    return run(*WARMSTART, *args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +378,12 @@ def test_the_modal_app_imports_with_modal(rendered: dict[str, Path], s3_env: dic
     text = (rendered["modal"] / "modal_app.py").read_text()
     assert "enable_memory_snapshot=True" in text and 'gpu="L4"' in text
     assert '"torch==2.13.0"' in text and '"safetensors"' in text  # warmstart's dependencies go into the image
+    mounted = ast.literal_eval(re.search(r"add_local_python_source\(([^)]*)\)", text).group(1) + ",")
+    for name in mounted:  # modal mounts each package's folders as found here, under the package's own name
+        spec = importlib.util.find_spec(name)
+        assert spec and spec.submodule_search_locations, name
+        assert all((Path(p) / "__init__.py").is_file() for p in spec.submodule_search_locations), name
+    assert {m.split(".")[0] for m in mounted} == {"warmstart"} and len(mounted) == 3
 
 
 def test_modal_rejects_a_broken_app(rendered: dict[str, Path], s3_env: dict[str, str], tmp_path: Path) -> None:
@@ -492,9 +500,9 @@ def test_the_runpod_worker_without_a_gpu_fails_at_once_saying_so(rendered: dict[
 def test_sagemaker_ping_and_invocations(tiny_model_dir, tmp_path: Path) -> None:
     from starlette.testclient import TestClient
 
-    from handlers.server.app import create_app
-    from handlers.server.state import Limits
     from tests.support.serving import build_tiny_snapshot, ready_state
+    from warmstart.handlers.server.app import create_app
+    from warmstart.handlers.server.state import Limits
 
     state = ready_state(build_tiny_snapshot(tiny_model_dir("llama"), tmp_path), Limits(api_key="secret"))
     try:
@@ -515,7 +523,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     source = work / "source"  # a copy, so that the build leaves nothing in the checkout
     for name in ("runtime", "snapshot", "handlers", "templates"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
     wheel = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", work / "dist",
                 source, timeout=600)
@@ -533,12 +541,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_an_installed_warmstart_renders_from_its_data_files(installed: Path, s3_env: dict[str, str],
                                                             tmp_path: Path) -> None:
     env = {**s3_env, "PYTHONPATH": str(installed)}
-    probe = "import handlers.cli.templates as d; print(d.__file__); print(d.templates_dir())"
+    probe = ("import warmstart.runtime, warmstart.snapshot, warmstart.handlers.cli.templates as d; "
+             "print(warmstart.runtime.__file__, warmstart.snapshot.__file__, d.__file__, d.templates_dir())")
     where = run(sys.executable, "-c", probe, env=env, cwd=tmp_path)
     assert where.returncode == 0, where.stderr
-    module, templates = where.stdout.split()
-    assert module.startswith(str(installed)) and Path(templates).is_relative_to(installed.parent.parent.parent)
-    proc = run(sys.executable, "-m", "handlers.cli", "template", "aws", "--snapshot", "latest", "--store", STORE,
+    *modules, templates = where.stdout.split()
+    assert all(Path(m).is_relative_to(installed / "warmstart") for m in modules), modules
+    assert Path(templates).is_relative_to(installed.parent.parent.parent)
+    proc = run(*WARMSTART, "template", "aws", "--snapshot", "latest", "--store", STORE,
                "--out", tmp_path / "aws", "--json", env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert cfn_lint(tmp_path / "aws" / "template.yaml").returncode == 0

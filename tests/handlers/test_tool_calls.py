@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from handlers.openai.tool_calls import call_grammar, parse_tool_calls, parser_for_template
+from warmstart.handlers.openai.tool_calls import call_grammar, parse_tool_calls, parser_for_template
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -77,7 +77,7 @@ def test_parser_chosen_from_the_template() -> None:
 def test_call_grammar_admits_valid_calls_only(tiny_model_dir, parser: str, good: str, bad: str) -> None:  # type: ignore[no-untyped-def]
     import llguidance
 
-    from runtime.tokenizer import Tokenizer
+    from warmstart.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_model_dir("llama"))
     lt = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=[2])
@@ -101,8 +101,8 @@ def test_named_function_grammar_and_unenforced_format() -> None:
 
 @pytest.fixture(scope="module")
 def mistral_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int]:
-    from runtime.tokenizer import Tokenizer
     from tests.support.mistral_model import mistral_tool_model_dir
+    from warmstart.runtime.tokenizer import Tokenizer
 
     model, token_id = mistral_tool_model_dir(tmp_path_factory.mktemp("mistral"))
     return Tokenizer(model), token_id
@@ -149,7 +149,7 @@ def test_mistral_grammar_begins_with_the_special_token(mistral_tokenizer: tuple[
 ])  # fmt: skip
 @pytest.mark.parametrize("cut", [1, 2, 3, 7])
 def test_streamed_deltas_add_up_to_the_whole_reply(parser: str, text: str, cut: int) -> None:
-    from handlers.openai.tool_calls import ToolCallStream
+    from warmstart.handlers.openai.tool_calls import ToolCallStream
 
     stream = ToolCallStream(parser)
     pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
@@ -163,7 +163,7 @@ def test_streamed_deltas_add_up_to_the_whole_reply(parser: str, text: str, cut: 
 
 
 def test_a_template_without_a_known_format_needs_the_flag() -> None:
-    from handlers.openai.tool_calls import ToolFieldError, tool_request
+    from warmstart.handlers.openai.tool_calls import ToolFieldError, tool_request
 
     body = {"tools": [WEATHER], "tool_choice": "auto"}
     with pytest.raises(ToolFieldError, match="--tool-call-parser"):
@@ -176,7 +176,7 @@ def test_a_template_without_a_known_format_needs_the_flag() -> None:
 def test_forced_calls_are_compact_json(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     import llguidance
 
-    from runtime.tokenizer import Tokenizer
+    from warmstart.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_model_dir("llama"))
     lt = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=[2])
@@ -191,7 +191,7 @@ def test_forced_calls_are_compact_json(tiny_model_dir) -> None:  # type: ignore[
 def test_mistral_calls_go_back_through_mistrals_template_in_the_next_turn() -> None:
     from pathlib import Path
 
-    from runtime.chat_template import render
+    from warmstart.runtime.chat_template import render
 
     template = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "mistral.jinja").read_text()
     reply = parse_tool_calls("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]')

@@ -4,15 +4,15 @@ here, refused naming the command that takes them otherwise, and `warmstart --ver
 from __future__ import annotations
 
 import subprocess
-import sys
 from importlib.metadata import version
 
 import pytest
 
-from handlers.cli.main import build_parser
-from handlers.cli.vllm_flags import snapshot_ref
-from handlers.errors import CliError
+from tests.support.cli import WARMSTART
 from tests.support.serving import REPO
+from warmstart.handlers.cli.main import build_parser
+from warmstart.handlers.cli.vllm_flags import snapshot_ref
+from warmstart.handlers.errors import CliError
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
@@ -43,13 +43,13 @@ def test_one_snapshot_is_named(argv: tuple[str, ...], says: str) -> None:
                        "format: give `warmstart build MODEL_DIR --quant"),
 ])  # fmt: skip
 def test_flags_of_the_build_step_say_where_they_go(flag: str, says: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "handlers.cli", "serve", "chat", flag, "bfloat16"],
+    done = subprocess.run([*WARMSTART, "serve", "chat", flag, "bfloat16"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_version() -> None:
-    done = subprocess.run([sys.executable, "-m", "handlers.cli", "--version"], capture_output=True, text=True,
+    done = subprocess.run([*WARMSTART, "--version"], capture_output=True, text=True,
                           cwd=REPO, timeout=60)  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, f"warmstart {version('warmstart')}")
 

@@ -14,16 +14,16 @@ import peft
 import pytest
 import torch
 
-from runtime import SamplingParams
-from runtime.engine.adapters import alignment_advice, virtual_token_ids, wasted_slots
-from snapshot.adapters import AdapterSpec
-from snapshot.build import BuildError, BuildOptions, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.loader import load_with_report
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
 from tests.support.model_configs import FAMILIES
 from tests.support.peft_reference import _hf, assert_matches_peft, make_adapter
+from warmstart.runtime import SamplingParams
+from warmstart.runtime.engine.adapters import alignment_advice, virtual_token_ids, wasted_slots
+from warmstart.snapshot.adapters import AdapterSpec
+from warmstart.snapshot.build import BuildError, BuildOptions, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.loader import load_with_report
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # name -> (peft config kind, options); virtual-token counts chosen to end inside a block of 16 (and one not)

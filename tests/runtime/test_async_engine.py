@@ -11,7 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from runtime import (
+from tests.support.async_engine import GREEDY, ModelDir, collect, idle_stats, options, run_with
+from warmstart.runtime import (
     LLM,
     AsyncLLM,
     EngineDeadError,
@@ -20,7 +21,6 @@ from runtime import (
     RequestOutput,
     SamplingParams,
 )
-from tests.support.async_engine import GREEDY, ModelDir, collect, idle_stats, options, run_with
 
 LONG = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)  # aborted long before it ends
 

@@ -7,8 +7,8 @@ import asyncio
 import pathlib
 import threading
 
-from runtime import AsyncLLM, SamplingParams
 from tests.support.async_engine import GREEDY, ModelDir, collect, idle_stats, run_with
+from warmstart.runtime import AsyncLLM, SamplingParams
 
 
 def test_a_request_cancelled_before_the_loop_adds_it_leaves_the_engine_alive(tiny_model_dir: ModelDir) -> None:

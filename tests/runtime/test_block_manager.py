@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runtime.engine.block_manager as bm_module
-from runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
-from runtime.engine.scheduler import ScheduledBatch, Scheduler
-from runtime.engine.sequence import Sequence, Status
-from runtime.sampling_params import SamplingParams
+import warmstart.runtime.engine.block_manager as bm_module
+from warmstart.runtime.engine.block_manager import NO_PARENT, BlockManager, block_hashes
+from warmstart.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from warmstart.runtime.engine.sequence import Sequence, Status
+from warmstart.runtime.sampling_params import SamplingParams
 
 NO_BLOCK = Sequence.NO_BLOCK
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from runtime.chat_template import ChatTemplateError, render
-from runtime.tokenizer import Tokenizer
+from warmstart.runtime.chat_template import ChatTemplateError, render
+from warmstart.runtime.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 TEMPLATES = sorted(p.stem for p in FIXTURES.glob("*.jinja"))

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from runtime.kernels import isa as kernel_isa
-from runtime.layers import attention
-from runtime.layers.attention import AttentionGroup, AttentionMetadata, decode_kernel_serves, paged_attention
+from warmstart.runtime.kernels import isa as kernel_isa
+from warmstart.runtime.layers import attention
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata, decode_kernel_serves, paged_attention
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and attention._cpu_attention is None, reason="no C compiler here")
@@ -141,7 +141,7 @@ def test_when_the_kernel_serves(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_engine_uses_the_kernel_and_one_decode_group(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The engine's CPU path decodes on the kernel, all decoding sequences in one call; the gather path
     (``WARMSTART_CPU_ATTENTION=torch``) gives the same greedy tokens."""
-    from runtime import LLM, SamplingParams
+    from warmstart.runtime import LLM, SamplingParams
 
     calls: list[int] = []
     kernel = attention._kernel_decode_attention

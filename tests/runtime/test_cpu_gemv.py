@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import LLM, SamplingParams
-from runtime.kernels import cpu_gemv, isa
-from runtime.layers.linear import packing_dtype
-from runtime.layers.ops import TorchOps, select_ops
-from runtime.quant.formats import Int8Weight
-from runtime.quant.packed_linear import PackedWeight
 from tests.support.reference import assert_close_in_bf16
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.kernels import cpu_gemv, isa
+from warmstart.runtime.layers.linear import packing_dtype
+from warmstart.runtime.layers.ops import TorchOps, select_ops
+from warmstart.runtime.quant.formats import Int8Weight
+from warmstart.runtime.quant.packed_linear import PackedWeight
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and cpu_gemv._ext is None, reason="no C compiler here")

@@ -22,15 +22,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime import LLM, SamplingParams
-from runtime.engine.engine import LLMEngine
-from runtime.engine.lora import lora_from_peft
-from runtime.engine.options import EngineOptions
-from runtime.kernels import cpu_lora, isa
-from runtime.layers import lora as torch_lora
-from runtime.layers.lora import LoraSlots, LoraStep, lora_step
 from tests.support.peft_reference import make_adapter
 from tests.support.reference import assert_close_in_bf16
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.lora import lora_from_peft
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.kernels import cpu_lora, isa
+from warmstart.runtime.layers import lora as torch_lora
+from warmstart.runtime.layers.lora import LoraSlots, LoraStep, lora_step
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and cpu_lora._ext is None, reason="no C compiler here")

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runtime.kernels import isa as kernel_isa
-from runtime.layers import attention
-from runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, write_kv
+from warmstart.runtime.kernels import isa as kernel_isa
+from warmstart.runtime.layers import attention
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, write_kv
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and attention._cpu_attention is None, reason="no C compiler here")
@@ -242,7 +242,7 @@ def test_engine_prefills_on_the_kernel(isa: str, tiny_model_dir, monkeypatch: py
     """The engine's CPU path prefills on the kernel at AVX2 and above (head_dim 16), a step's chunks in one call,
     cached prefixes and chunked prompts included, and on SDPA at the portable level; SDPA
     (``WARMSTART_CPU_PREFILL_ATTENTION=torch``) gives the same greedy tokens."""
-    from runtime import LLM, SamplingParams
+    from warmstart.runtime import LLM, SamplingParams
 
     calls: list[int] = []
     kernel = attention._kernel_prefill_attention

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.kernels import cpu_small_ops as kernels
-from runtime.kernels import isa
-from runtime.layers import activation, norm, rotary
-from runtime.layers.ops import select_ops
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.kernels import cpu_small_ops as kernels
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.layers import activation, norm, rotary
+from warmstart.runtime.layers.ops import select_ops
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 pytestmark = pytest.mark.skipif(NO_COMPILER and kernels._ext is None, reason="no C compiler here")

@@ -18,10 +18,10 @@ from typing import Any, cast
 import pytest
 import torch
 
-from runtime import AsyncLLM, EngineOptions, LLMEngine, SamplingParams
-from runtime.engine.cuda_graphs import DecodeGraphs, batch_sizes_for
-from runtime.models.model import Model
 from tests.support.graphs import AddressBackend, RerunBackend
+from warmstart.runtime import AsyncLLM, EngineOptions, LLMEngine, SamplingParams
+from warmstart.runtime.engine.cuda_graphs import DecodeGraphs, batch_sizes_for
+from warmstart.runtime.models.model import Model
 
 ModelDir = Callable[[str], pathlib.Path]
 
@@ -187,7 +187,7 @@ def test_cuda_calls_run_with_the_model_s_gpu_current(monkeypatch: pytest.MonkeyP
     engine's threads keep cuda:0 current while the model may be on cuda:1."""
     from contextlib import contextmanager
 
-    from runtime.engine.cuda_graphs import CudaGraphs
+    from warmstart.runtime.engine.cuda_graphs import CudaGraphs
 
     current: list[torch.device] = [torch.device("cuda", 0)]
     seen: dict[str, torch.device] = {}

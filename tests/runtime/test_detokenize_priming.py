@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from runtime.tokenizer import Detokenizer, Tokenizer
 from tests.support.sentencepiece import metaspace_model_dir
+from warmstart.runtime.tokenizer import Detokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.engine.device import GIB, DeviceError, resolve_device
-from runtime.engine.kv_sizing import activation_reserve, kv_block_bytes, kv_blocks_for_memory
-from runtime.engine.options import EngineOptions
-from runtime.models.config import ModelConfig
-from runtime.models.weights import load_weights, weights_to
-from runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight, from_tensors
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.device import GIB, DeviceError, resolve_device
+from warmstart.runtime.engine.kv_sizing import activation_reserve, kv_block_bytes, kv_blocks_for_memory
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import load_weights, weights_to
+from warmstart.runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight, from_tensors
 
 ModelDir = Callable[[str], pathlib.Path]
 CUDA0 = torch.device("cuda", 0)

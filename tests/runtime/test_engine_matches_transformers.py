@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import LLM, SamplingParams
 from tests.support.model_configs import FAMILIES
 from tests.support.prompts import make_prompts
 from tests.support.reference import assert_matches_reference
+from warmstart.runtime import LLM, SamplingParams
 
 MAX_TOKENS = 12
 
@@ -56,7 +56,7 @@ def test_prefix_cache_hits_match(tiny_model_dir, family: str) -> None:
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from runtime.random_model import make_random_model
+    from warmstart.runtime.random_model import make_random_model
 
     sharded = make_random_model(tmp_path / "sharded", FAMILIES["llama"], seed=0, dtype="float32", num_shards=3)
     assert (sharded / "model.safetensors.index.json").is_file()
@@ -67,7 +67,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_dir, tmp_path) -
 
 
 def test_split_by_length_groups_every_sequence_once() -> None:
-    from runtime.engine.model_runner import split_by_length
+    from warmstart.runtime.engine.model_runner import split_by_length
 
     widths = [1, 40, 3, 38, 2, 41, 1]
     groups = split_by_length(widths, group_cost=8)
@@ -79,7 +79,7 @@ def test_split_by_length_groups_every_sequence_once() -> None:
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_decode_split_into_length_groups_matches(tiny_model_dir, family: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import runtime.engine.model_runner as model_runner
+    import warmstart.runtime.engine.model_runner as model_runner
 
     calls: list[int] = []
     split = model_runner.split_by_length

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.kernels import cpu_gemv, isa
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
-from runtime.layers.linear import plain_weight
-from runtime.models.fused_decode import FUSED_ENV, MAX_ROWS, FusedDecode
-from runtime.models.quantize import quantize_model
 from tests.support.reference import assert_close_in_bf16
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.kernels import cpu_gemv, isa
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.layers.linear import plain_weight
+from warmstart.runtime.models.fused_decode import FUSED_ENV, MAX_ROWS, FusedDecode
+from warmstart.runtime.models.quantize import quantize_model
 
 pytestmark = pytest.mark.skipif(cpu_gemv._ext is None, reason="no gemv kernel here (built without a C compiler)")
 # the levels up to the one in use (WARMSTART_CPU_ISA=avx2 stops at avx2, as an AVX2 machine would) at which the

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.generation_config import GenerationConfigError, GenerationDefaults
+from warmstart.runtime.generation_config import GenerationConfigError, GenerationDefaults
 
 
 def test_extra_eos_ids_and_recommended_sampling_are_read() -> None:
@@ -34,7 +34,7 @@ def test_a_bad_generation_config_names_the_field(raw: object, words: str) -> Non
 
 
 def test_the_engine_stops_on_generation_config_eos_ids(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from runtime import LLM, SamplingParams
+    from warmstart.runtime import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0)
     plain = LLM.from_hf(tiny_model_dir("llama"), dtype="float32", num_kv_blocks=32).generate([[5, 6, 7]], params)[0]
@@ -48,8 +48,8 @@ def test_the_engine_stops_on_generation_config_eos_ids(tiny_model_dir, tmp_path:
 
 
 def test_build_refuses_a_bad_generation_config(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from snapshot.build import BuildError, BuildOptions, build_snapshot
-    from snapshot.cache import BlobCache
+    from warmstart.snapshot.build import BuildError, BuildOptions, build_snapshot
+    from warmstart.snapshot.cache import BlobCache
 
     model = tmp_path / "m"
     shutil.copytree(tiny_model_dir("llama"), model)

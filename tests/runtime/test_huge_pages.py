@@ -10,12 +10,12 @@ import types
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.kernels import cpu_gemv
-from runtime.layers.linear import plain_weight
-from runtime.models import huge_pages
-from runtime.models.huge_pages import HUGE_PAGE, HugePageArena
-from runtime.models.weights import LINEAR_FIELDS
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.kernels import cpu_gemv
+from warmstart.runtime.layers.linear import plain_weight
+from warmstart.runtime.models import huge_pages
+from warmstart.runtime.models.huge_pages import HUGE_PAGE, HugePageArena
+from warmstart.runtime.models.weights import LINEAR_FIELDS
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps and MADV_HUGEPAGE are Linux's")
 

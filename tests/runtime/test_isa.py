@@ -11,17 +11,18 @@ import sys
 import pytest
 import torch
 
-from handlers.errors import CPU_ISA_LEVELS
-from runtime.kernels import isa
-from runtime.models import weights
-from runtime.models.weights import prepack_in_background
+from tests.support.cli import WARMSTART
 from tests.support.serving import REPO
+from warmstart.handlers.errors import CPU_ISA_LEVELS
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.models import weights
+from warmstart.runtime.models.weights import prepack_in_background
 
 EXTENSIONS = isa._extensions
 
 
 def chosen_in_a_new_process(value: str) -> subprocess.CompletedProcess[str]:
-    code = "from runtime.kernels import isa; print(isa.chosen(), *[ext.isa() for ext in isa._extensions])"
+    code = "from warmstart.runtime.kernels import isa; print(isa.chosen(), *[ext.isa() for ext in isa._extensions])"
     env = {**os.environ, isa.ISA_ENV: value}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
 
@@ -48,7 +49,7 @@ def test_the_variable_lowers_and_never_raises(value: str) -> None:
 def test_an_unknown_level_is_refused_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = {**os.environ, isa.ISA_ENV: "avx-512"}
     for command in (["serve", "nothing", "--store", str(tmp_path), "--port", "0"], ["build", str(tmp_path)]):
-        done = subprocess.run([sys.executable, "-m", "handlers.cli", *command], capture_output=True, text=True,
+        done = subprocess.run([*WARMSTART, *command], capture_output=True, text=True,
                               cwd=REPO, env=env, timeout=120)  # fmt: skip
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip() == ("warmstart: error: WARMSTART_CPU_ISA='avx-512' is not an instruction set level: "
@@ -78,7 +79,7 @@ def test_a_failed_prepack_logs_one_line_and_keeps_the_plain_weights(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]
     """As oneDNN's refusal to pack bf16 on AVX2 once did, in the background thread: no traceback, the weights plain."""
-    from runtime import LLM
+    from warmstart.runtime import LLM
 
     llm = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16", num_kv_blocks=32, prepack_weights=False)
     model_weights = llm.engine.runner.model.weights
@@ -87,7 +88,7 @@ def test_a_failed_prepack_logs_one_line_and_keeps_the_plain_weights(
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert\nmore")
 
     monkeypatch.setattr(weights, "PackedWeight", refuse)
-    with caplog.at_level(logging.WARNING, logger="runtime.models.weights"):
+    with caplog.at_level(logging.WARNING, logger="warmstart.runtime.models.weights"):
         prepack_in_background(model_weights).join()
     assert [r.getMessage() for r in caplog.records] == [
         "prepacking the weights failed, serving from the plain ones: mkldnn_reorder_linear_weight: bf16 path needs "

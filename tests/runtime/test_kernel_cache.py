@@ -9,8 +9,14 @@ import pathlib
 import pytest
 import torch
 
-import runtime.kernels
-from runtime.kernels import cache_key, cached_kernels, carried_cache_dir, carry_kernels_under, use_carried_cache
+import warmstart.runtime.kernels
+from warmstart.runtime.kernels import (
+    cache_key,
+    cached_kernels,
+    carried_cache_dir,
+    carry_kernels_under,
+    use_carried_cache,
+)
 
 GPU = torch.device("cuda", 0)
 
@@ -20,7 +26,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test: the code under test sets it
     monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(runtime.kernels, "_carried_base", None)
+    monkeypatch.setattr(warmstart.runtime.kernels, "_carried_base", None)
     monkeypatch.setattr(torch.version, "hip", None)
 
 
@@ -57,7 +63,8 @@ def test_the_loader_can_carry_kernels_in_its_snapshot_cache(
     assert carried_cache_dir(GPU).parent == tmp_path / "xdg" / "warmstart" / "triton"
     carry_kernels_under(tmp_path / "cache" / "kernels")
     assert use_carried_cache(GPU) == tmp_path / "cache" / "kernels" / cache_key(GPU)
-    assert runtime.kernels.os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "kernels" / cache_key(GPU))
+    carried = str(tmp_path / "cache" / "kernels" / cache_key(GPU))
+    assert warmstart.runtime.kernels.os.environ["TRITON_CACHE_DIR"] == carried
 
 
 def test_an_image_s_own_triton_cache_dir_is_used_as_it_is(

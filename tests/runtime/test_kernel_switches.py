@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kernels.switches import kernel_chosen
+from warmstart.runtime.kernels.switches import kernel_chosen
 
 
 def test_unset_or_empty_or_kernel_keeps_the_kernel_and_torch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,12 +15,12 @@ from tests.support.kernels_common import DEVICE, EPS, INTERPRETED, assert_close,
 
 pytestmark = pytest.mark.kernels
 
-from runtime.kernels.activation import silu_and_mul  # noqa: E402
-from runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
-from runtime.layers.activation import silu_and_mul as silu_and_mul_reference  # noqa: E402
-from runtime.layers.norm import add_rms_norm as fused_add_rms_norm_reference  # noqa: E402
-from runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
 from tests.support.imports import imported_after  # noqa: E402
+from warmstart.runtime.kernels.activation import silu_and_mul  # noqa: E402
+from warmstart.runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
+from warmstart.runtime.layers.activation import silu_and_mul as silu_and_mul_reference  # noqa: E402
+from warmstart.runtime.layers.norm import add_rms_norm as fused_add_rms_norm_reference  # noqa: E402
+from warmstart.runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -70,18 +70,19 @@ def test_silu_and_mul_rejects_odd_width() -> None:
 
 
 def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
-    modules = imported_after("import runtime, runtime.models.model, runtime.engine.engine")
-    kernels = {m for m in modules if m.startswith("runtime.kernels.")}
-    cpu_kernels = {"runtime.kernels._cpu_attention", "runtime.kernels._cpu_small_ops", "runtime.kernels.cpu_small_ops",
-                   "runtime.kernels._cpu_gemv", "runtime.kernels.cpu_gemv", "runtime.kernels._cpu_lora",
-                   "runtime.kernels.cpu_lora", "runtime.kernels.isa", "runtime.kernels.switches"}
+    modules = imported_after("import warmstart.runtime, warmstart.runtime.models.model, "
+                             "warmstart.runtime.engine.engine")
+    kernels = {m.removeprefix("warmstart.runtime.kernels.") for m in modules
+               if m.startswith("warmstart.runtime.kernels.")}
+    cpu_kernels = {"_cpu_attention", "_cpu_small_ops", "cpu_small_ops", "_cpu_gemv", "cpu_gemv", "_cpu_lora",
+                   "cpu_lora", "isa", "switches"}
     assert "triton" not in modules and kernels <= cpu_kernels
 
 
 def test_first_call_timings_cover_every_kernel() -> None:
-    from runtime.models.config import ModelConfig
-    from runtime.models.kernel_warmup import first_call_seconds
     from tests.support.model_configs import FAMILIES
+    from warmstart.runtime.models.config import ModelConfig
+    from warmstart.runtime.models.kernel_warmup import first_call_seconds
 
     config = ModelConfig.from_dict(FAMILIES["qwen3"])
     timings = first_call_seconds(config, torch.float32, torch.device(DEVICE))
@@ -90,13 +91,13 @@ def test_first_call_timings_cover_every_kernel() -> None:
 
 
 def test_triton_cache_defaults_next_to_the_snapshot_cache(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import runtime.kernels
-    from runtime.kernels import cache_key, carried_cache_dir, use_carried_cache
+    import warmstart.runtime.kernels
+    from warmstart.runtime.kernels import cache_key, carried_cache_dir, use_carried_cache
 
     monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test: the code under test sets it
     monkeypatch.delenv("TRITON_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(runtime.kernels, "_carried_base", None)
+    monkeypatch.setattr(warmstart.runtime.kernels, "_carried_base", None)
     cpu = torch.device("cpu")
     assert use_carried_cache(cpu) == tmp_path / "warmstart" / "triton" / cache_key(cpu)
     assert carried_cache_dir() == tmp_path / "warmstart" / "triton" / cache_key(cpu)

@@ -12,18 +12,18 @@ from tests.support.kernels_common import DEVICE, EPS, assert_close, randn  # set
 
 pytestmark = pytest.mark.kernels
 
-from runtime.kernels.kv_cache import write_kv, write_kv_reference  # noqa: E402
-from runtime.kernels.paged_attention import (  # noqa: E402
+from warmstart.runtime.kernels.kv_cache import write_kv, write_kv_reference  # noqa: E402
+from warmstart.runtime.kernels.paged_attention import (  # noqa: E402
     paged_attention_reference,
     paged_decode_attention,
     paged_prefill_attention,
 )
-from runtime.kernels.rmsnorm import rms_norm  # noqa: E402
-from runtime.kernels.rotary import rotary_  # noqa: E402
-from runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention  # noqa: E402
-from runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
-from runtime.layers.rotary import RotaryTables, apply_rotary, lookup  # noqa: E402
-from runtime.models.config import ModelConfig, rope_inv_freq  # noqa: E402
+from warmstart.runtime.kernels.rmsnorm import rms_norm  # noqa: E402
+from warmstart.runtime.kernels.rotary import rotary_  # noqa: E402
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata, paged_attention  # noqa: E402
+from warmstart.runtime.layers.norm import rms_norm as rms_norm_reference  # noqa: E402
+from warmstart.runtime.layers.rotary import RotaryTables, apply_rotary, lookup  # noqa: E402
+from warmstart.runtime.models.config import ModelConfig, rope_inv_freq  # noqa: E402
 
 NUM_BLOCKS = 24
 

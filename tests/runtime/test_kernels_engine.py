@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # family (Triton's import and the interpreter's start are paid once).
 ENGINE = """
 import json, sys
-from runtime import LLM, SamplingParams
+from warmstart.runtime import LLM, SamplingParams
 jobs, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 results = {}
@@ -67,7 +67,7 @@ def test_engine_on_triton_kernels_matches_transformers(tiny_model_dir, engine_on
 
 
 def test_kernels_on_the_cpu_need_the_interpreter() -> None:
-    code = "import torch; from runtime.layers.ops import select_ops; select_ops(torch.device('cpu'))"
+    code = "import torch; from warmstart.runtime.layers.ops import select_ops; select_ops(torch.device('cpu'))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(WARMSTART_KERNELS="triton", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -77,7 +77,7 @@ def test_kernels_on_the_cpu_need_the_interpreter() -> None:
 def test_unknown_kernels_choice_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from runtime.layers.ops import select_ops
+    from warmstart.runtime.layers.ops import select_ops
 
     monkeypatch.setenv("WARMSTART_KERNELS", "cuda")
     with pytest.raises(ValueError, match="WARMSTART_KERNELS='cuda' is not one of torch, triton"):

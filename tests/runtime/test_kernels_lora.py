@@ -13,9 +13,9 @@ from tests.support.kernels_common import DEVICE, assert_close, randn  # sets TRI
 
 pytestmark = pytest.mark.kernels
 
-from runtime.kernels.lora import add_lora  # noqa: E402
-from runtime.layers.lora import LoraSlots, LoraStep, lora_step  # noqa: E402
-from runtime.layers.lora import add_lora as add_lora_reference  # noqa: E402
+from warmstart.runtime.kernels.lora import add_lora  # noqa: E402
+from warmstart.runtime.layers.lora import LoraSlots, LoraStep, lora_step  # noqa: E402
+from warmstart.runtime.layers.lora import add_lora as add_lora_reference  # noqa: E402
 
 # module -> (in_features, out_features of each slice), odd sizes
 SHAPES = {"qkv": (40, [48, 24, 24]), "o_proj": (48, [40]), "gate_up": (40, [72, 72]), "down": (72, [40])}
@@ -127,8 +127,8 @@ ENGINE = """
 import json, sys
 import torch
 from safetensors.torch import load_file
-from runtime import LLM, SamplingParams
-from runtime.engine.lora import lora_from_peft
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.lora import lora_from_peft
 model_dir, loras, prompts, adapters = json.loads(sys.argv[1])
 llm = LLM.from_hf(model_dir, dtype="float32", block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
 for name, path in loras.items():

@@ -9,8 +9,8 @@ from tests.support.kernels_common import DEVICE, assert_close, randn  # sets TRI
 
 pytestmark = pytest.mark.kernels
 
-from runtime.kernels.quant_matmul import quantized_linear, quantized_linear_reference  # noqa: E402
-from runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight, _int4_codes_t, int4_layout  # noqa: E402
+from warmstart.runtime.kernels.quant_matmul import quantized_linear, quantized_linear_reference  # noqa: E402
+from warmstart.runtime.quant.formats import INT4_LAYOUTS, Int4Weight, Int8Weight, _int4_codes_t, int4_layout  # noqa: E402
 
 
 def tolerance(dtype: torch.dtype, in_features: int) -> tuple[float, float]:

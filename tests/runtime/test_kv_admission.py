@@ -14,14 +14,14 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import runtime.engine.kv_sizing as kv_sizing
-from runtime.engine.block_manager import block_hashes
-from runtime.engine.engine import LLMEngine
-from runtime.engine.kv_sizing import kv_blocks_for_memory
-from runtime.engine.options import EngineOptions
-from runtime.models.config import ModelConfig
-from runtime.models.weights import ModelWeights, load_weights
-from runtime.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+import warmstart.runtime.engine.kv_sizing as kv_sizing
+from warmstart.runtime.engine.block_manager import block_hashes
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.kv_sizing import kv_blocks_for_memory
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import ModelWeights, load_weights
+from warmstart.runtime.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 ModelDir = Callable[[str], pathlib.Path]
 Loaded = tuple[ModelConfig, ModelWeights]

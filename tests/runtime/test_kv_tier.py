@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from runtime.engine.block_manager import block_hashes
-from runtime.engine.kv_tier import MAC_LEN, KVTier, TierCorrupt, TierScope, pack, unpack
+from warmstart.runtime.engine.block_manager import block_hashes
+from warmstart.runtime.engine.kv_tier import MAC_LEN, KVTier, TierCorrupt, TierScope, pack, unpack
 
 SCOPE = TierScope(namespace="default", model="snap1", adapter="", dtype="bfloat16", block_size=4, shape=(2, 1, 8))
 

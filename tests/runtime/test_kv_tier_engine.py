@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from runtime import EngineOptions, LLMEngine, SamplingParams
-from runtime.engine.kv_tier import KVTier, TierScope
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime import EngineOptions, LLMEngine, SamplingParams
+from warmstart.runtime.engine.kv_tier import KVTier, TierScope
 
 KEY = b"a key the instances share, 32 b."
 
@@ -136,8 +136,8 @@ def test_lora_requests_are_left_out_of_the_tier(tiny_model_dir: ModelDir, tmp_pa
 
     from safetensors.torch import load_file
 
-    from runtime.engine.lora import lora_from_peft
     from tests.support.peft_reference import make_adapter
+    from warmstart.runtime.engine.lora import lora_from_peft
 
     model_dir = tiny_model_dir("llama")
     adapter = make_adapter(model_dir, tmp_path / "qv", "LoraConfig", seed=0, r=4, lora_alpha=16,

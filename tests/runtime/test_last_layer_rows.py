@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
-from runtime.models.model import Model
+from warmstart.runtime import LLM
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.models.model import Model
 
 
 def prefill_step(model: Model, lengths: list[int], block_size: int = 16) -> tuple:  # type: ignore[type-arg]

@@ -14,15 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime import SamplingParams
-from runtime.engine.engine import LLMEngine
-from runtime.engine.lora import LoraManager, LoraWeights, lora_from_peft
-from runtime.engine.options import EngineOptions
-from runtime.llm import LLM
-from runtime.models.config import ModelConfig
 from tests.support.model_configs import FAMILIES
 from tests.support.peft_reference import assert_matches_peft, make_adapter
 from tests.support.reference import assert_matches_reference, hf_greedy
+from warmstart.runtime import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.lora import LoraManager, LoraWeights, lora_from_peft
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.llm import LLM
+from warmstart.runtime.models.config import ModelConfig
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORAS: dict[str, dict[str, Any]] = {

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.engine.lora import FUSED_MODULES, LoraWeights, lora_from_peft
-from runtime.models.config import ModelConfig
 from tests.support.peft_reference import _hf, make_adapter
+from warmstart.runtime.engine.lora import FUSED_MODULES, LoraWeights, lora_from_peft
+from warmstart.runtime.models.config import ModelConfig
 
 CASES: dict[str, dict[str, Any]] = {
     "qv": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},

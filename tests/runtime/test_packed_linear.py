@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.engine.model_runner import Chunk
-from runtime.kernels import isa
-from runtime.layers.linear import linear, packing_dtype, widens
-from runtime.quant.packed_linear import PackedWeight
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.model_runner import Chunk
+from warmstart.runtime.kernels import isa
+from warmstart.runtime.layers.linear import linear, packing_dtype, widens
+from warmstart.runtime.quant.packed_linear import PackedWeight
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not available")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from runtime.engine.penalties import adjust_logits
-from runtime.engine.sequence import Sequence
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.penalties import adjust_logits
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from runtime import LLM, SamplingParams
-from runtime.engine.pooling import PoolBusy, embed
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.pooling import PoolBusy, embed
 
 
 def reference(model_dir, prompts: list[list[int]], pooling: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]

@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.outputs import RequestOutput
+from warmstart.runtime.sampling_params import SamplingParams
 
 PROMPT = [5 + (j * 37) % 900 for j in range(19)]
 

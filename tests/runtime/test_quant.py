@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.quant_eval import compare_to_float
-from runtime import LLM, EngineOptions, LLMEngine, SamplingParams
-from runtime.layers.linear import linear
-from runtime.models.config import ModelConfig
-from runtime.models.model import Model
-from runtime.models.quantize import quantize_model
-from runtime.models.weights import LINEAR_FIELDS, LayerWeights, ModelWeights, load_weights
-from runtime.quant import formats as quant
-from runtime.quant.quantize import quantize
-from runtime.tokenizer import Tokenizer
+from warmstart.runtime import LLM, EngineOptions, LLMEngine, SamplingParams
+from warmstart.runtime.layers.linear import linear
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.model import Model
+from warmstart.runtime.models.quantize import quantize_model
+from warmstart.runtime.models.weights import LINEAR_FIELDS, LayerWeights, ModelWeights, load_weights
+from warmstart.runtime.quant import formats as quant
+from warmstart.runtime.quant.quantize import quantize
+from warmstart.runtime.tokenizer import Tokenizer
 
 ModelDir = Callable[[str], pathlib.Path]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS, _param_specs, make_random_model
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS, _param_specs, make_random_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -183,7 +183,7 @@ def test_bad_configs_are_rejected_with_a_message(tmp_path: pathlib.Path, bad: di
 
 
 def test_command_line(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.random_model import main
+    from warmstart.runtime.random_model import main
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(FAMILIES["qwen3"]))

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.engine.sampler import Sampler
-from runtime.engine.sequence import Sequence, TokenLogprobs
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.sampler import Sampler
+from warmstart.runtime.engine.sequence import Sequence, TokenLogprobs
 
 ModelDir = Callable[[str], pathlib.Path]
 
@@ -332,7 +332,7 @@ def test_llm_filters_that_keep_one_token_equal_greedy(llama_dir: pathlib.Path, p
 
 
 def test_inverse_cdf_never_picks_zero_mass_and_takes_unnormalized_rows() -> None:
-    from runtime.engine.sampler import inverse_cdf
+    from warmstart.runtime.engine.sampler import inverse_cdf
 
     probs = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0], [1e-9, 0.0, 0.0, 0.0, 0.0]])  # unnormalized, with zeros
     u = torch.tensor([[0.0], [0.249999], [0.25], [0.999999999]], dtype=torch.float64)
@@ -349,7 +349,7 @@ def test_inverse_cdf_never_picks_zero_mass_and_takes_unnormalized_rows() -> None
 def test_two_level_inverse_cdf_equals_one_cumulative_sum(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked, the inverse CDF picks what one float64 cumulative sum over the row picks, across chunk edges,
     in rows whose first, last or only chunks have no mass, and never a token of zero mass."""
-    import runtime.engine.sampler as sampler
+    import warmstart.runtime.engine.sampler as sampler
 
     monkeypatch.setattr(sampler, "CDF_CHUNK", chunk)
     gen = torch.Generator().manual_seed(0)

@@ -9,16 +9,16 @@ import pathlib
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.engine.rejection_sampler import accept
-from runtime.engine.sampler import Sampler
-from runtime.engine.sequence import Sequence
-from runtime.engine.speculative import adapt_k, ngram_continuation
-from runtime.random_model import make_random_model, perturb_model
 from tests.support.model_configs import FAMILIES
 from tests.support.prompts import make_prompts
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.rejection_sampler import accept
+from warmstart.runtime.engine.sampler import Sampler
+from warmstart.runtime.engine.sequence import Sequence
+from warmstart.runtime.engine.speculative import adapt_k, ngram_continuation
+from warmstart.runtime.random_model import make_random_model, perturb_model
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

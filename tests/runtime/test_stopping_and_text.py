@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from runtime import LLM, LLMEngine, SamplingParams
-from runtime.tokenizer import Detokenizer, Tokenizer
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime import LLM, LLMEngine, SamplingParams
+from warmstart.runtime.tokenizer import Detokenizer, Tokenizer
 
 ModelDir = Callable[[str], pathlib.Path]
 PROMPT = "The quick brown fox"

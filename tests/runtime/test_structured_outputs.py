@@ -14,10 +14,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from runtime import LLM, SamplingParams
-from runtime.engine.structured import GrammarError, check_grammar
-from runtime.structured_outputs import StructuredOutputsParams
 from tests.support.schemas import PERSON_SCHEMA
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.engine.structured import GrammarError, check_grammar
+from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
 # Nested objects, arrays, enums and required fields, every string and number bounded so that a random model
 # (which almost never picks a closing quote) finishes within max_tokens.
@@ -135,15 +135,15 @@ def test_constrained_rows_do_not_speculate_and_stay_valid(tiny_model_dir) -> Non
 
 
 def test_the_grammar_engine_is_imported_only_for_a_constrained_request() -> None:
-    code = "import sys, runtime, runtime.engine.engine; print('llguidance' in sys.modules)"
+    code = "import sys, warmstart.runtime, warmstart.runtime.engine.engine; print('llguidance' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_async_requests_compile_off_the_step_loop(tiny_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from runtime import AsyncLLM
-    from runtime.engine.options import EngineOptions
-    from runtime.engine.structured import GrammarCompiler
+    from warmstart.runtime import AsyncLLM
+    from warmstart.runtime.engine.options import EngineOptions
+    from warmstart.runtime.engine.structured import GrammarCompiler
 
     threads: list[str] = []
     compile = GrammarCompiler.compile
@@ -177,8 +177,8 @@ def test_a_costly_regex_does_not_stall_the_other_streams(tiny_model_dir) -> None
     grammar compiles, off the step: the free stream's tokens keep coming (a generous bound: the stall was seconds)."""
     import time
 
-    from runtime import AsyncLLM
-    from runtime.engine.options import EngineOptions
+    from warmstart.runtime import AsyncLLM
+    from warmstart.runtime.engine.options import EngineOptions
 
     options = EngineOptions(dtype="float32", num_kv_blocks=256, max_model_len=256)
     llm = AsyncLLM.from_hf(tiny_model_dir("llama"), options)

@@ -18,18 +18,18 @@ from typing import Any
 
 import pytest
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.engine.tensor_parallel import TensorParallelError, shard_config
-from runtime.models.config import ModelConfig
-from runtime.sampling_params import SamplingParams
-from snapshot.adapters import AdapterSpec
-from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.loader import SnapshotError, load_with_report
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.tensor_parallel import TensorParallelError, shard_config
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.sampling_params import SamplingParams
+from warmstart.snapshot.adapters import AdapterSpec
+from warmstart.snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.loader import SnapshotError, load_with_report
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2

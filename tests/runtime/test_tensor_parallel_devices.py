@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.engine import tensor_parallel
-from runtime.engine.device import DeviceError
-from runtime.engine.model_runner import StepInputs
-from runtime.engine.tensor_parallel import (
+from warmstart.runtime.engine import tensor_parallel
+from warmstart.runtime.engine.device import DeviceError
+from warmstart.runtime.engine.model_runner import StepInputs
+from warmstart.runtime.engine.tensor_parallel import (
     TensorParallelError,
     TensorParallelGroup,
     backend_for,
@@ -22,7 +22,7 @@ from runtime.engine.tensor_parallel import (
     encode_step,
     rank_device,
 )
-from runtime.layers.attention import AttentionGroup, AttentionMetadata
+from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
 
 
 def gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:

@@ -15,17 +15,17 @@ from pathlib import Path
 import boto3
 import pytest
 
-import snapshot.transfer as transfer_module
-from snapshot.cache import BlobCache
-from snapshot.errors import NotFound
-from snapshot.format import file_blob_id
-from snapshot.gc import gc
-from snapshot.s3 import S3Store
-from snapshot.store import LocalStore, Store
-from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
-from snapshot.verify import verify_cache, verify_snapshot
+import warmstart.snapshot.transfer as transfer_module
 from tests.support.aws import isolate_aws
 from tests.support.blobs import Built
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.errors import NotFound
+from warmstart.snapshot.format import file_blob_id
+from warmstart.snapshot.gc import gc
+from warmstart.snapshot.s3 import S3Store
+from warmstart.snapshot.store import LocalStore, Store
+from warmstart.snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
+from warmstart.snapshot.verify import verify_cache, verify_snapshot
 
 _buckets = itertools.count()
 
@@ -210,7 +210,7 @@ def test_s3_blobs_carry_their_checksum_as_metadata(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_rebuild_replaces_a_damaged_build_cache_entry(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from snapshot.build import BuildOptions, build_snapshot
+    from warmstart.snapshot.build import BuildOptions, build_snapshot
 
     cache = BlobCache(tmp_path / "cache")
     first = build_snapshot(tiny_model_dir("llama"), BuildOptions(dtype="float32"), cache)
@@ -329,7 +329,7 @@ def test_gc_still_deletes_old_unreferenced_blobs(kind: str, tmp_path: Path) -> N
 
 def test_the_verify_command_reports_then_fails_in_one_sentence_when_it_cannot_fetch_again(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from handlers.cli.main import main
+    from warmstart.handlers.cli.main import main
 
     store = LocalStore(tmp_path / "store")
     built = Built(tmp_path / "build")

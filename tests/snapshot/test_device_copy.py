@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapshot.device_copy import copy_to_device, staged_copy
+from warmstart.snapshot.device_copy import copy_to_device, staged_copy
 
 
 def sources() -> dict[str, torch.Tensor]:

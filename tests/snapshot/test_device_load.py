@@ -15,19 +15,19 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import snapshot.loader as loader
-from handlers.server.state import ServeState, load_snapshot
-from handlers.server.timeline import Timeline
-from runtime import SamplingParams
-from runtime.engine.device import DeviceError
-from runtime.kernels import isa
-from snapshot.cache import BlobCache
-from snapshot.device_copy import BlobCopier
-from snapshot.format import Manifest
-from snapshot.loader import SnapshotError, load_with_report
-from snapshot.stores import open_store
-from snapshot.transfer import pull_blobs
+import warmstart.snapshot.loader as loader
 from tests.support.serving import REF, TinySnapshot, build_tiny_snapshot
+from warmstart.handlers.server.state import ServeState, load_snapshot
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime import SamplingParams
+from warmstart.runtime.engine.device import DeviceError
+from warmstart.runtime.kernels import isa
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.device_copy import BlobCopier
+from warmstart.snapshot.format import Manifest
+from warmstart.snapshot.loader import SnapshotError, load_with_report
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import pull_blobs
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], list(range(3, 43))]
@@ -45,8 +45,7 @@ def weight_blobs(snap: TinySnapshot) -> dict[str, int]:
 
 
 def test_snapshot_load_takes_a_device() -> None:
-    import snapshot
-
+    from warmstart import snapshot
     for face in (snapshot.load, load_with_report):
         assert inspect.signature(face).parameters["device"].default == "auto", face
 
@@ -193,8 +192,7 @@ def test_a_cpu_load_copies_nothing(snap: TinySnapshot) -> None:
 
 
 def test_a_missing_gpu_is_refused_before_the_store_is_opened(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import snapshot
-
+    from warmstart import snapshot
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match="sees no CUDA device"):
         snapshot.load("latest", store=str(tmp_path / "no-store"), cache=tmp_path / "c", device="cuda:0")

@@ -12,10 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from snapshot.cache import BlobCache, BlobLock
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
-from snapshot.gc import gc
-from snapshot.store import LocalStore
+from tests.support.cli import WARMSTART
+from warmstart.snapshot.cache import BlobCache, BlobLock
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
+from warmstart.snapshot.gc import gc
+from warmstart.snapshot.store import LocalStore
 
 REPO = Path(__file__).resolve().parents[2]
 HOURS_AGO = 2 * 3600
@@ -23,8 +24,8 @@ HOURS_AGO = 2 * 3600
 PUT_AND_STALL = """
 import sys, time
 from pathlib import Path
-from snapshot.format import file_blob_id
-from snapshot.store import LocalStore
+from warmstart.snapshot.format import file_blob_id
+from warmstart.snapshot.store import LocalStore
 
 store_dir, blob_path, marker = sys.argv[1:]
 
@@ -125,7 +126,7 @@ def test_gc_cleans_the_cache_of_stale_temporaries_and_spares_live_ones(tmp_path:
     try:
         age(root / "locks" / ids[2])
         env = {**os.environ, "WARMSTART_STORE": str(store.root), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "handlers.cli", "gc", "--cache", str(root), "--json"],
+        proc = subprocess.run([*WARMSTART, "gc", "--cache", str(root), "--json"],
                               capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout.strip().splitlines()[-1])

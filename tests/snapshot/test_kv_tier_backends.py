@@ -10,10 +10,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from snapshot.kv_tier_backends import DiskBackend, StoreBackend
-from snapshot.store import LocalStore
-from snapshot.stores import open_store
 from tests.support.aws import isolate_aws
+from warmstart.snapshot.kv_tier_backends import DiskBackend, StoreBackend
+from warmstart.snapshot.store import LocalStore
+from warmstart.snapshot.stores import open_store
 
 
 def test_disk_keeps_the_most_recently_used_within_its_budget(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_disk_files_are_the_serving_users_alone_and_an_existing_wide_directory_i
 
 
 def test_a_wide_directory_of_another_user_is_refused_saying_why(tmp_path: Path) -> None:
-    from snapshot.errors import StoreError
+    from warmstart.snapshot.errors import StoreError
 
     root = tmp_path / "tier"
     (root / "theirs").mkdir(parents=True, mode=0o700)

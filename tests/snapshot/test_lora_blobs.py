@@ -12,17 +12,17 @@ import boto3
 import pytest
 import torch
 
-from snapshot.adapters import AdapterSpec
-from snapshot.build import BuildOptions, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.errors import BuildError, CorruptBlob
-from snapshot.gc import gc
-from snapshot.lora import LoraError, LoraNotFound, fetch_lora, lora_loader, push_lora
-from snapshot.store import LocalStore, Store
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
 from tests.support.aws import isolate_aws
 from tests.support.lora_adapters import specs
+from warmstart.snapshot.adapters import AdapterSpec
+from warmstart.snapshot.build import BuildOptions, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.errors import BuildError, CorruptBlob
+from warmstart.snapshot.gc import gc
+from warmstart.snapshot.lora import LoraError, LoraNotFound, fetch_lora, lora_loader, push_lora
+from warmstart.snapshot.store import LocalStore, Store
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 
 def a_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Store:

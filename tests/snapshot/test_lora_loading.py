@@ -7,14 +7,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from runtime import LLM, SamplingParams
-from snapshot.build import BuildOptions, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.loader import load
-from snapshot.store import LocalStore
-from snapshot.transfer import push_snapshot
 from tests.support.lora_adapters import specs
 from tests.support.peft_reference import assert_matches_peft
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.snapshot.build import BuildOptions, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.loader import load
+from warmstart.snapshot.store import LocalStore
+from warmstart.snapshot.transfer import push_snapshot
 
 
 def test_the_loader_registers_each_adapter_and_decodes_as_peft(model_dir: Path, loras: dict[str, Path],

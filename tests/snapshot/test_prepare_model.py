@@ -7,14 +7,14 @@ command itself), and the conversion runs through the same code path as the downl
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from snapshot.prepare_model import READY_MARK, PrepareError, prepare_model
+from tests.support.cli import WARMSTART
 from tests.support.reference import assert_matches_reference
+from warmstart.snapshot.prepare_model import READY_MARK, PrepareError, prepare_model
 
 gguf = pytest.importorskip("gguf", reason="the `gguf` package (test extra) writes the tiny checkpoint")
 
@@ -87,7 +87,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_converted_gguf_serves_like_transformers(tiny_gguf: Path, tmp_path: Path) -> None:
-    from runtime import LLM, SamplingParams
+    from warmstart.runtime import LLM, SamplingParams
 
     model_dir = prepare_model("smollm2", tmp_path / "smollm2", gguf_file=tiny_gguf)
     import json
@@ -133,7 +133,7 @@ def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_cli_prints_the_directory_and_reports_errors_in_one_line(tiny_gguf: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "handlers.cli", "prepare-model", "smollm2", "--dir", str(tmp_path / "m")]
+    cmd = [*WARMSTART, "prepare-model", "smollm2", "--dir", str(tmp_path / "m")]
     ok = subprocess.run([*cmd, "--gguf", str(tiny_gguf)], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == str(tmp_path / "m")

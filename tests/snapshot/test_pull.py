@@ -20,18 +20,18 @@ import boto3
 import pytest
 from moto import mock_aws
 
-import snapshot.transfer as transfer_module
-from snapshot.cache import BlobCache
-from snapshot.errors import CorruptBlob, NotFound, StoreError, StoreUnreachable, TransferInterrupted
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id, file_blob_id
-from snapshot.gc import gc
-from snapshot.progress import Progress
-from snapshot.refs import resolve_ref
-from snapshot.s3 import S3Store
-from snapshot.store import LocalStore
-from snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
+import warmstart.snapshot.transfer as transfer_module
 from tests.support.aws import isolate_aws
 from tests.support.blobs import SIZES, Built
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.errors import CorruptBlob, NotFound, StoreError, StoreUnreachable, TransferInterrupted
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id, file_blob_id
+from warmstart.snapshot.gc import gc
+from warmstart.snapshot.progress import Progress
+from warmstart.snapshot.refs import resolve_ref
+from warmstart.snapshot.s3 import S3Store
+from warmstart.snapshot.store import LocalStore
+from warmstart.snapshot.transfer import pull_blobs, pull_snapshot, push_blobs, push_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 PART = 64 << 10
@@ -285,9 +285,9 @@ def test_threads_pulling_at_once_download_each_blob_once(tmp_path: Path) -> None
 
 PULL_WORKER = """
 import os, sys, time
-from snapshot.cache import BlobCache
-from snapshot.store import LocalStore
-from snapshot.transfer import pull_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.store import LocalStore
+from warmstart.snapshot.transfer import pull_snapshot
 
 store_dir, cache_dir, snapshot_id, log_path, go = sys.argv[1:]
 
@@ -381,8 +381,8 @@ def test_push_refuses_inconsistent_input(tmp_path: Path) -> None:
 PUSH_AND_DIE = """
 import sys, time
 from pathlib import Path
-from snapshot.store import LocalStore
-from snapshot.transfer import push_snapshot
+from warmstart.snapshot.store import LocalStore
+from warmstart.snapshot.transfer import push_snapshot
 
 store_dir, build_dir, manifest_path, marker = sys.argv[1:]
 
@@ -393,7 +393,7 @@ class StallingStore(LocalStore):
 
 raw = Path(manifest_path).read_bytes()
 paths = {p.name: p for p in Path(build_dir).iterdir()}
-from snapshot.format import blob_id
+from warmstart.snapshot.format import blob_id
 push_snapshot(StallingStore(store_dir), raw, blob_id(raw), paths)
 """
 
@@ -538,7 +538,7 @@ def test_end_to_end_against_a_moto_server(moto_endpoint: str, tmp_path: Path,
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     s3 = boto3.client("s3")
     s3.create_bucket(Bucket="e2e")
-    from snapshot.stores import open_store
+    from warmstart.snapshot.stores import open_store
 
     store = open_store("s3://e2e/team/models")
     assert isinstance(store, S3Store) and store.endpoint == moto_endpoint

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +15,12 @@ from pathlib import Path
 import boto3
 import pytest
 
-import snapshot.retry as retry_policy
-from snapshot.errors import StoreUnreachable
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
-from snapshot.s3 import S3Store
+import warmstart.snapshot.retry as retry_policy
+from tests.support.cli import WARMSTART
 from tests.support.fault_proxy import Fault, FaultProxy
+from warmstart.snapshot.errors import StoreUnreachable
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
+from warmstart.snapshot.s3 import S3Store
 
 REPO = Path(__file__).resolve().parents[2]
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -83,7 +83,7 @@ def test_pull_survives_a_connection_cut_mid_body(faults: list[tuple[str, int, Fa
     for pattern, nth, fault in faults:
         proxy.fail(pattern, nth=nth, fault=fault)
     env = {**os.environ, **aws_env, "AWS_ENDPOINT_URL": proxy.url, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "pull", "latest", "--store", f"s3://{snap.bucket}",
+    proc = subprocess.run([*WARMSTART, "pull", "latest", "--store", f"s3://{snap.bucket}",
                            "--cache", str(tmp_path / "cache"), "--json"],
                           capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

@@ -8,16 +8,16 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from runtime import LLM, SamplingParams
-from snapshot import loader as load_mod
-from snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.format import Manifest
-from snapshot.loader import SnapshotError, load_with_report
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
 from tests.support.model_configs import FAMILIES
 from tests.support.reference import assert_matches_reference
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.snapshot import loader as load_mod
+from warmstart.snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.format import Manifest
+from warmstart.snapshot.loader import SnapshotError, load_with_report
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SYSTEM_TEXT = "You are a terse assistant. Answer in one short sentence, and never apologise for anything. " * 3
@@ -128,8 +128,7 @@ def test_weights_are_views_of_the_mapped_blobs(tiny_model_dir, tmp_path: Path) -
 
 def test_kv_from_another_engine_version_is_refused(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     built, _, store = build_and_push(tiny_model_dir("llama"), tmp_path, prefix_files(tmp_path))
-    import runtime
-
+    from warmstart import runtime
     monkeypatch.setattr(runtime, "__version__", "999.0.0")
     with pytest.raises(SnapshotError, match="rebuild"):
         load_mod.load(built.id, store=store, cache=tmp_path / "c", num_kv_blocks=64)

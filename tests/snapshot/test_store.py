@@ -24,8 +24,8 @@ from botocore.exceptions import (
 from botocore.stub import Stubber
 from moto import mock_aws
 
-import snapshot.store as store_module
-from snapshot.errors import (
+import warmstart.snapshot.store as store_module
+from warmstart.snapshot.errors import (
     AccessDenied,
     CorruptBlob,
     NoSuchBucket,
@@ -34,10 +34,10 @@ from snapshot.errors import (
     StoreUnreachable,
     TransferInterrupted,
 )
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
-from snapshot.s3 import S3Store
-from snapshot.store import LocalStore, Store
-from snapshot.stores import open_store
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
+from warmstart.snapshot.s3 import S3Store
+from warmstart.snapshot.store import LocalStore, Store
+from warmstart.snapshot.stores import open_store
 
 ACCESS_KEY = "AKIAFAKEKEYFORTEST01"
 SECRET_KEY = "fake/secret+Key0123456789-never-print"
@@ -444,9 +444,9 @@ def test_links_out_of_the_store_are_never_followed_and_bad_pointers_never_echoed
     """Issue 40, 12: a ref replaced by a link to a file outside, a refs folder linked outside (reads and writes), and
     a ref holding text that is no id: each refused, and no error repeats what the file says. A link that stays
     inside the store is followed as before."""
-    from snapshot.errors import StoreError
-    from snapshot.format import blob_id
-    from snapshot.stores import open_store
+    from warmstart.snapshot.errors import StoreError
+    from warmstart.snapshot.format import blob_id
+    from warmstart.snapshot.stores import open_store
 
     store = open_store(str(tmp_path / "store"))
     sid = blob_id(b"{}")

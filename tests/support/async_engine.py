@@ -7,7 +7,7 @@ import pathlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from runtime import AsyncLLM, EngineOptions, EngineStats, LLMEngine, RequestOutput, SamplingParams
+from warmstart.runtime import AsyncLLM, EngineOptions, EngineStats, LLMEngine, RequestOutput, SamplingParams
 
 ModelDir = Callable[[str], pathlib.Path]
 

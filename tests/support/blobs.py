@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
-from snapshot.store import Store
-from snapshot.transfer import push_snapshot
+from warmstart.snapshot.format import FORMAT, FORMAT_VERSION, Manifest, blob_id
+from warmstart.snapshot.store import Store
+from warmstart.snapshot.transfer import push_snapshot
 
 SIZES = (300_000, 700_001, (1 << 20) + 1, 0, 5)
 

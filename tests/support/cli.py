@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+WARMSTART = (sys.executable, "-m", "warmstart.handlers.cli")  # the command, run by this interpreter
+
 
 def warmstart(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "handlers.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*WARMSTART, *args], capture_output=True, text=True,
                           env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from snapshot.adapters import AdapterSpec
+from warmstart.snapshot.adapters import AdapterSpec
 
 LORAS = {"sql": {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
          "chat": {"r": 8, "lora_alpha": 8, "use_rslora": True, "target_modules": ["o_proj", "gate_proj", "down_proj"]},

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.random_model import make_random_model
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime.random_model import make_random_model
 
 MISTRAL_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "mistral.jinja"
 TOOL_CALLS = "[TOOL_CALLS]"

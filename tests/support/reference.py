@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.outputs import RequestOutput
+from warmstart.runtime.outputs import RequestOutput
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from runtime.random_model import SPECIAL_TOKENS
+from warmstart.runtime.random_model import SPECIAL_TOKENS
 
 SENTENCES = [
     "Hello world, this is a small corpus for a SentencePiece style tokenizer.",

@@ -8,7 +8,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.server.state import Limits, ServeState, load_snapshot
-from handlers.server.timeline import Timeline
-from snapshot.build import BuildOptions, PrefixSpec, build_snapshot
-from snapshot.cache import BlobCache
-from snapshot.stores import open_store
-from snapshot.transfer import push_snapshot
+from tests.support.cli import WARMSTART
+from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
+from warmstart.handlers.server.timeline import Timeline
+from warmstart.snapshot.build import BuildOptions, PrefixSpec, build_snapshot
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.stores import open_store
+from warmstart.snapshot.transfer import push_snapshot
 
 REF = "tiny"
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ class ServerProcess:
     """A `warmstart serve` child; its stdout's JSON lines are collected by a thread."""
 
     def __init__(self, snap: TinySnapshot, *args: str, env: dict[str, str] | None = None, ref: str = REF) -> None:
-        cmd = [sys.executable, "-m", "handlers.cli", "serve", ref, "--store", str(snap.store), "--cache",
+        cmd = [*WARMSTART, "serve", ref, "--store", str(snap.store), "--cache",
                str(snap.cache), "--port", "0", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WARMSTART_API_KEY": KEY, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -14,9 +14,9 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from runtime import LLM, SamplingParams
-from runtime.random_model import make_random_model
 from tests.support.model_configs import FAMILIES
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.random_model import make_random_model
 
 QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "qwen3.jinja"
 REPLY_TOKENS = 12

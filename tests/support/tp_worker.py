@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from runtime.engine.engine import LLMEngine
-from runtime.engine.options import EngineOptions
-from runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
-from runtime.models.config import ModelConfig
-from runtime.models.weights import load_weights
-from runtime.sampling_params import SamplingParams
-from snapshot.loader import load_with_report
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup, follow, rank_engine, shard_weights
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import load_weights
+from warmstart.runtime.sampling_params import SamplingParams
+from warmstart.snapshot.loader import load_with_report
 
 
 def make_engine(case: dict[str, Any], group: TensorParallelGroup) -> tuple[LLMEngine, dict[str, Any]]:
