@@ -103,7 +103,10 @@ def test_the_head_in_the_call_equals_the_separate_ops(rows: int, level: str, tin
     ``_logits`` gives on the call's output (the same norm and gemv code: the ops take the gemv for every row count
     here). A step that wants some rows' logits only, or whose head the kernel cannot read, takes the separate ops."""
     monkeypatch.setattr(cpu_gemv, "MAX_ROWS", MAX_ROWS)
-    model = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine.runner.model
+    engine = LLM.from_hf(tiny_model_dir("llama"), dtype="bfloat16").engine
+    if engine.prepack_thread is not None:  # it swaps the weights in place, and this test swaps the head below
+        engine.prepack_thread.join()
+    model = engine.runner.model
     c, fused = model.config, model.fused_decode
     assert fused is not None
     tokens, positions, caches, meta, logits_index, _ = decode_step(rows, c.num_layers, c.num_kv_heads, c.head_dim,
