@@ -30,8 +30,12 @@ uvicorn or boto3): first, here, `benchmarks/device_wheels.sh` (downloads those w
 folder .whl/), then call the device tool's `run` with carry [".whl"], timeout_s 560 and the command
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 \
+      .whl/*.whl && mkdir /tmp/site/warmstart && for f in runtime snapshot handlers; do ln -s $PWD/$f \
+      /tmp/site/warmstart/$f; done && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 \
       python3 benchmarks/gpu_check.py --out $OUT 2>&1 | tee $OUT/log.txt
+
+(the links make this checkout's folders importable as warmstart.runtime, ... without installing it, as setup.py
+maps them).
 
 and copy the figures from gpu_check.md into docs/BENCHMARKS.md. A rerun of one section in what is left of
 the 15 minutes: the same with `--sections served --budget-s 200`.
@@ -185,7 +189,7 @@ import json, sys, torch
 from warmstart.runtime.models.config import ModelConfig
 from warmstart.runtime.kernels import use_carried_cache
 use_carried_cache()
-from warmstart.runtime.models.kernel_warmup import first_call_seconds
+from benchmarks.kernel_first_calls import first_call_seconds
 config = ModelConfig.from_dir(sys.argv[1])
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 print(json.dumps(first_call_seconds(config, getattr(torch, sys.argv[2]), device)))
@@ -203,7 +207,7 @@ def first_call(dry: bool, bench_dirs: dict[str, Path], deadline: float) -> dict:
             start = time.perf_counter()
             done = subprocess.run([sys.executable, "-c", FIRST_CALL, str(model_dir), "float32" if dry else "bfloat16"],
                                   env=env, capture_output=True, text=True, timeout=max(1.0, left(deadline)),
-                                  check=True)  # fmt: skip
+                                  check=True, cwd=ROOT)  # fmt: skip
             kernels = json.loads(done.stdout.splitlines()[-1])
             runs[label] = {"process_s": time.perf_counter() - start, "kernels": kernels}
     return runs

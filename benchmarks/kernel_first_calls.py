@@ -1,8 +1,9 @@
-"""First call (compile) and second call of every kernel at a model's shapes, timed.
+"""First call (compile) and second call of every Triton kernel at a model's shapes, timed, one by one.
 
-Cold start matters more than peak speed: a kernel's first call compiles it (or loads it from Triton's cache,
-see runtime.kernels.carried_cache_dir), and that is paid before the first token. Calling these at build time
-fills the cache an image carries; timing them says what a cold start without that cache would pay.
+A measurement, not a warm-up: the engine warms its kernels up with ModelRunner.warm_up_kernels (one prefill and one
+decode step, before serving). A kernel's first call compiles it (or loads it from Triton's cache, see
+runtime.kernels.carried_cache_dir); timing each says what a cold start without that cache pays, and where.
+benchmarks/gpu_check.py's first_call section runs this in fresh processes.
 """
 
 from __future__ import annotations

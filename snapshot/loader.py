@@ -31,6 +31,7 @@ from warmstart.runtime.kernels import carry_kernels_under
 from warmstart.runtime.models.config import ModelConfig
 from warmstart.runtime.models.weights import LayerWeights, ModelWeights
 from warmstart.runtime.quant.formats import QuantizedWeight, from_tensors
+from warmstart.runtime.timeline import Timeline
 from warmstart.runtime.tokenizer import Tokenizer
 from warmstart.snapshot.cache import BlobCache
 from warmstart.snapshot.device_copy import BlobCopier
@@ -52,7 +53,8 @@ class SnapshotError(Exception):
 @dataclass
 class LoadReport:
     snapshot_id: str
-    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds since load() began
+    # manifest, blobs, device_copy (weights copied to a device), mapped, and the engine's own (kernels, graphs)
+    timeline: Timeline = field(default_factory=lambda: Timeline(origin="load_start"))
     bytes_downloaded: int = 0
     blobs_downloaded: int = 0
     blobs_total: int = 0
@@ -60,16 +62,14 @@ class LoadReport:
     manifest: Manifest | None = None
     device: str = "cpu"
     device_copy: dict[str, Any] | None = None  # bytes, blobs, seconds, gb_per_s of the weights' copy, if any
-    # What the engine paid before serving, by phase (kernels, graphs; see ModelRunner.startup): the details
-    # of the times in ``phases``.
-    engine_startup: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def rank_load(self, rank: int) -> dict[str, Any]:
         """This rank's cold start, as a tensor-parallel group gathers it: what it pulled, how long pulling
         and mapping took."""
-        p = self.phases
+        t = self.timeline
         return {"rank": rank, "bytes_downloaded": self.bytes_downloaded, "blobs_total": self.blobs_total,
-                "pull_seconds": round(p["blobs"] - p["manifest"], 4), "map_seconds": round(p["mapped"] - p["blobs"], 4)}
+                "pull_seconds": round(t.between("manifest", "blobs"), 4),
+                "map_seconds": round(t.between("blobs", "mapped"), 4)}
 
 
 def load(
@@ -103,8 +103,7 @@ def load_with_report(
     ``device`` as for ``load``; one that does not exist here is refused before anything is pulled. Off the CPU
     the weights are copied to the device blob by blob as the blobs land in the cache (``stage_weights``: None
     copies when the device is not the CPU; True copies on the CPU too, through the same path, which is how it is
-    tested without a GPU)."""
-    start = time.monotonic()
+    tested without a GPU). The report's timeline has the load's phases, on time.monotonic()'s clock."""
     where = resolve_device(device)
     rank = None if group is None else group.rank
     blob_cache = cache if isinstance(cache, BlobCache) else BlobCache(Path(cache) if cache else None)
@@ -131,48 +130,45 @@ def load_with_report(
     # A size check (a stat per blob) on every load; hashes are checked when blobs enter the cache, by `warmstart
     # pull` and by `warmstart verify`, not here: see "What is verified when" in docs/snapshots.md.
     report = LoadReport(ref, device=str(where))
-
-    def mark(phase: str) -> None:
-        report.phases[phase] = time.monotonic() - start
+    timeline = report.timeline
 
     try:
         if raw is not None and cached is not None and all(blob_cache.has(b, size)
                                                           for b, size in cached.blob_sizes(rank).items()):
             manifest = cached
             check(cached)  # everything is cached: a cold start needs no store at all
-            report.phases["manifest"] = report.phases["blobs"] = time.monotonic() - start
+            timeline.mark("manifest", snapshot_id=report.snapshot_id)
         else:
             the_store = store if isinstance(store, Store) else open_store(store)
             report.snapshot_id = resolve_ref(the_store, ref)
-            report.phases["manifest"] = time.monotonic() - start
+            timeline.mark("manifest", snapshot_id=report.snapshot_id)
             raw, stats = pull_snapshot(the_store, blob_cache, report.snapshot_id, concurrency=concurrency, rank=rank,
                                        check=check, verify_cached=False,
                                        on_blob=copier.ready if copier is not None else None, defer=lora_blob_ids)
             report.bytes_downloaded, report.blobs_downloaded = stats.bytes_downloaded, stats.blobs_downloaded
-            report.phases["blobs"] = time.monotonic() - start
+        pulled_at = time.monotonic()
         if blob_id(raw) != report.snapshot_id:
             raise SnapshotError(f"snapshot {report.snapshot_id}: its manifest does not match its id (corrupt store "
                                 "or cache); delete the cached manifest and pull again")
         manifest = manifest or Manifest.decode(raw, where=f"snapshot {report.snapshot_id}")
         report.manifest = manifest
         report.blobs_total = len(manifest.blob_ids(rank))
+        timeline.mark("blobs", at=pulled_at, bytes_downloaded=report.bytes_downloaded,
+                      blobs_downloaded=report.blobs_downloaded, blobs_total=report.blobs_total)
         _carry_kernels_in(blob_cache)
         lora_pull = None
         if the_store is not None and lora_blob_ids(manifest):  # left out of the pull above: pulled when first needed
             sizes = manifest.blob_sizes(rank)
             lora_pull = LoraPull(the_store, blob_cache, manifest.id, raw,
                                  {b: sizes[b] for b in lora_blob_ids(manifest)})
-        engine = engine_from_manifest(manifest, blob_cache, engine_options, mark, report.prefixes, group, copier,
+        engine = engine_from_manifest(manifest, blob_cache, engine_options, timeline, report.prefixes, group, copier,
                                       lora_pull.fetch if lora_pull is not None else lambda _: None)
     finally:
         if copier is not None:
             copier.stop()
-    for phase, at, details in engine.runner.startup:
-        report.phases[phase] = at - start
-        report.engine_startup[phase] = details
     if copier is not None:
         report.device_copy = copier.stats.as_dict()
-    mark("ready")
+    timeline.take(engine.runner.timeline)
     return LLM(engine), report
 
 
@@ -180,24 +176,25 @@ def engine_from_manifest(
     manifest: Manifest,
     cache: BlobCache,
     engine_options: dict[str, Any],
-    mark: Callable[[str], None] = lambda _: None,
+    timeline: Timeline | None = None,
     prefixes_out: list[dict[str, Any]] | None = None,
     group: TensorParallelGroup | None = None,
     copier: BlobCopier | None = None,
     pull_lora: Callable[[str], None] = lambda _: None,
 ) -> LLMEngine:
-    """``copier``: the weight blobs' copy to the device, under way (see load_with_report); the engine's weights
-    are views over its copies, and the engine runs where they are. ``pull_lora(blob)``: brings a LoRA adapter's blob
-    into the cache when the engine first pages it in (a cold start leaves them in the store, see
-    snapshot.lora.LoraPull)."""
+    """``timeline`` gets the phases device_copy and mapped. ``copier``: the weight blobs' copy to the device, under
+    way (see load_with_report); the engine's weights are views over its copies, and the engine runs where they are.
+    ``pull_lora(blob)``: brings a LoRA adapter's blob into the cache when the engine first pages it in (a cold start
+    leaves them in the store, see snapshot.lora.LoraPull)."""
     sid = manifest.id
     _check_ranks(manifest, group)
     m = rank_view(manifest.data, 0 if group is None else group.rank)
     config = ModelConfig.from_dict(m["model"]["config"], source=f"snapshot {sid}")
     options = _engine_options(m, engine_options, sid)
     on_device = _finish_copy(copier, sid) if copier is not None else {}
+    timeline = timeline or Timeline()
     if copier is not None:
-        mark("device_copy")
+        timeline.mark("device_copy", device=str(copier.device), **copier.stats.as_dict())
     later = lora_blob_ids(manifest)  # read when an adapter is paged in, not mapped
     mapped = {b: on_device[b] if b in on_device else _map_cached(cache, b, size, sid)
               for b, size in m["blobs"].items() if b not in later}
@@ -214,7 +211,7 @@ def engine_from_manifest(
         tokenizer = Tokenizer.from_files(
             files["tokenizer.json"], files.get("tokenizer_config.json"), files.get("chat_template.jinja")
         )
-    mark("mapped")
+    timeline.mark("mapped")
     _check_fingerprint(m, sid)
     draft = _draft(m, mapped, sid) if options.speculative == "draft" else None
     if group is not None and group.world > 1:

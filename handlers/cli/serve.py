@@ -27,7 +27,8 @@ from warmstart.handlers.errors import CliError, device_name, fraction, non_negat
 from warmstart.handlers.openai.reasoning import PARSERS as REASONING_PARSERS
 from warmstart.handlers.openai.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from warmstart.handlers.server import kv_tier_options
-from warmstart.handlers.server.timeline import Timeline, print_json_line
+from warmstart.handlers.server.timeline import cold_start_timeline, print_json_line
+from warmstart.runtime.timeline import Timeline
 
 
 def add_command(sub: Any) -> None:
@@ -170,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from warmstart.handlers.cli.tensor_parallel import end_followers, plan_ranks, run_follower, start_followers, watch
 
     vllm_flags.snapshot_ref(args)
-    timeline = Timeline(emit=print_json_line)
+    timeline = cold_start_timeline(print_json_line)
     for flag, value in (("--grace-seconds", args.grace_seconds), ("--keep-alive-seconds", args.keep_alive_seconds)):
         if not value >= 0:  # NaN too
             raise CliError(f"{flag} must be a number of seconds >= 0, got {value}")

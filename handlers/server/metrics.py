@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from warmstart.runtime.engine.lora import LoraStats

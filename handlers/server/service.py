@@ -18,7 +18,7 @@ from warmstart.handlers.openai.replies import SSE_DONE, Reply, sse
 from warmstart.handlers.openai.requests import APIError, Generation, ServedModel, bad
 from warmstart.handlers.server.metrics import Metrics
 from warmstart.handlers.server.middleware import record_usage
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from warmstart.runtime.async_engine import AsyncLLM

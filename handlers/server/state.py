@@ -20,7 +20,7 @@ from warmstart.handlers.server.kv_tier_options import attach as attach_kv_tier
 from warmstart.handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 from warmstart.handlers.server.metrics import Metrics
 from warmstart.handlers.server.service import Service
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from warmstart.runtime.async_engine import AsyncLLM
@@ -128,7 +128,6 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         from warmstart.snapshot.lora import LoraSource
 
         timeline.mark("runtime_imports")
-        started = time.monotonic()
         blob_cache = BlobCache(cache)
         if tensor_parallel > 1:
             from warmstart.runtime.engine.tensor_parallel import TensorParallelGroup
@@ -139,22 +138,8 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
         rank_loads: list[Any] = []
         if state.group is not None:
             rank_loads = state.group.gather_objects(report.rank_load(0))
-        for phase in ("manifest", "blobs", "device_copy", "mapped", "kernels", "graphs"):
-            details: dict[str, Any] = {}
-            if phase not in report.phases:
-                continue  # device_copy: only when the weights were copied to a device; kernels, graphs: on CUDA
-            if phase == "manifest":
-                details = {"snapshot_id": report.snapshot_id}
-            elif phase == "blobs":
-                details = {"bytes_downloaded": report.bytes_downloaded, "blobs_downloaded": report.blobs_downloaded,
-                           "blobs_total": report.blobs_total}
-            elif phase == "device_copy":
-                details = {"device": report.device, **(report.device_copy or {})}
-            elif phase == "mapped" and rank_loads:
-                details = {"ranks": rank_loads}  # every rank's own pull and map
-            elif phase in report.engine_startup:
-                details = report.engine_startup[phase]
-            timeline.mark(phase, at=started + report.phases[phase], **details)
+            report.timeline.add_details("mapped", ranks=rank_loads)  # every rank's own pull and map
+        timeline.take(report.timeline)  # the load's phases (manifest ... mapped, kernels, graphs), at their times
         assert report.manifest is not None  # load_with_report always sets it
         manifest = report.manifest.data
         engine = llm.engine

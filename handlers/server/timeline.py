@@ -9,8 +9,9 @@ place), kernels (on the Triton path: every kernel of a prefill and a decode step
 loaded from the carried cache; with the seconds and how many kernels were compiled and how many carried),
 graphs (on CUDA: the decode graphs captured before serving, with the seconds, the batch sizes captured and
 those deferred until traffic needs them or the engine idles), ready (the engine takes requests and /health
-says 200; with the device and the ops it runs), first_request, first_token. Each phase is marked once; every
-mark is one JSON line for logs and scripts, and the whole timeline is served at /status.
+says 200; with the device and the ops it runs), first_request, first_token. Each phase is marked once, into one
+runtime.timeline.Timeline that the loader and the engine mark too; every mark is one JSON line for logs and
+scripts, and the whole timeline is served at /status.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from warmstart.runtime.timeline import Timeline
 
 PHASES = (
     "process_start",
@@ -72,36 +75,6 @@ def print_json_line(record: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
-class Timeline:
-    def __init__(self, emit: Callable[[dict[str, Any]], None] | None = None, start: float | None = None) -> None:
-        self.start = process_start() if start is None else start
-        self.phases: dict[str, float] = {"process_start": 0.0}
-        self.details: dict[str, dict[str, Any]] = {}
-        self._emit = emit or (lambda _: None)
-        self._lock = threading.Lock()
-
-    def mark(self, phase: str, at: float | None = None, **details: Any) -> bool:
-        """Record that ``phase`` ended at monotonic time ``at`` (now by default); only the first mark counts.
-
-        Returns whether this call was the first. ``details`` (bytes pulled, the URL...) go into the log line
-        and /status."""
-        if phase in self.phases:  # the hot path for first_request / first_token once they are known
-            return False
-        with self._lock:
-            if phase in self.phases:
-                return False
-            seconds = (time.monotonic() if at is None else at) - self.start
-            self.phases[phase] = seconds
-            if details:
-                self.details[phase] = details
-        self._emit({"event": "cold_start", "phase": phase, "seconds": round(seconds, 4), **details})
-        return True
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def as_dict(self) -> dict[str, Any]:
-        """Phases in the order they happened, in seconds since the process started, with their details."""
-        with self._lock:
-            phases = dict(sorted(self.phases.items(), key=lambda kv: kv[1]))
-            return {"phases": {k: round(v, 4) for k, v in phases.items()}, "details": dict(self.details)}
+def cold_start_timeline(emit: Callable[[dict[str, Any]], None] | None = None) -> Timeline:
+    """This process's cold start: its origin is when the process started (phase process_start)."""
+    return Timeline(emit, start=process_start(), origin="process_start")

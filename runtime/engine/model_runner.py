@@ -27,6 +27,7 @@ from warmstart.runtime.engine.structured import apply_grammar_masks
 from warmstart.runtime.layers.attention import AttentionGroup, AttentionMetadata
 from warmstart.runtime.layers.lora import LoraStep
 from warmstart.runtime.models.model import Model
+from warmstart.runtime.timeline import Timeline
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work, where decode attention pads
 # every sequence to the longest of its group (the gather path of runtime/layers/attention.py): a group costs a few
@@ -87,9 +88,8 @@ class ModelRunner:
         self.before_step = before_step
         self.graphs: DecodeGraphs | None = None
         self.loras: LoraManager | None = None  # set by the engine: the LoRA adapters' device slots
-        # What this runner paid before it could serve, for the cold-start timeline: (phase, time.monotonic()
-        # when it ended, details).
-        self.startup: list[tuple[str, float, dict[str, Any]]] = []
+        # What this runner paid before it could serve (kernels, graphs), which the loader puts on the cold start's.
+        self.timeline = Timeline(origin="runner_start")
         # A tensor-parallel shard's forward is a collective: every rank would have to warm up and capture
         # together, so its first steps compile and it runs without graphs.
         if self.device.type == "cuda" and model.ops.name == "triton" and not model.sharded:
@@ -114,13 +114,13 @@ class ModelRunner:
             self.forward([Chunk(table, [0], prompt, 1)])  # decode
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        details = {
+        details: dict[str, Any] = {
             "seconds": round(time.perf_counter() - start, 4),
             "cache_dir": str(cache_dir),
             "carried": before,  # compiled kernels found in the cache
             "compiled": cached_kernels(cache_dir) - before,  # compiled here, not found
         }
-        self.startup.append(("kernels", time.monotonic(), details))
+        self.timeline.mark("kernels", **details)
 
     def capture_decode_graphs(
         self, batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, budget_s: float | None = None,
@@ -136,9 +136,8 @@ class ModelRunner:
         else:
             self.graphs.capture_within(budget_s)
         seconds = sum(self.graphs.capture_seconds.values())
-        self.startup.append(("graphs", time.monotonic(), {
-            "seconds": round(seconds, 4), "batch_sizes": sorted(self.graphs.graphs), "deferred": self.graphs.pending[:],
-        }))  # fmt: skip
+        self.timeline.mark("graphs", seconds=round(seconds, 4), batch_sizes=sorted(self.graphs.graphs),
+                           deferred=self.graphs.pending[:])
 
     def capture_pending_graph(self) -> bool:
         """Capture one decode graph left for later (the engine calls this when idle); False when none is left."""

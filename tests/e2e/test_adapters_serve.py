@@ -22,7 +22,7 @@ from warmstart.handlers.openai.requests import APIError, ServedModel, parse_comp
 from warmstart.handlers.server.app import create_app
 from warmstart.handlers.server.metrics import Metrics
 from warmstart.handlers.server.state import ServeState
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.runtime import LLM, SamplingParams
 from warmstart.snapshot.loader import load
 
@@ -116,7 +116,7 @@ def test_metrics_show_the_adapters_in_use(reference: LLM) -> None:
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="m1", adapter="travel")
     engine.add_request([5, 6, 8], SamplingParams(max_tokens=2), request_id="m2", adapter="cooking")
     try:
-        text = Metrics("tiny", Timeline()).render(engine.stats()).decode()
+        text = Metrics("tiny", cold_start_timeline()).render(engine.stats()).decode()
     finally:
         engine.abort("m1")
         engine.abort("m2")

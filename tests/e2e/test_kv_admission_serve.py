@@ -26,7 +26,7 @@ from tests.support.serving import (
 )
 from warmstart.handlers.server.app import create_app
 from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.runtime.sampling_params import MAX_STOP_TOKEN_IDS
 
 BLOCK = 16
@@ -85,7 +85,7 @@ def test_serve_with_pinned_prefixes_and_two_seqs_runs_a_full_context_request(sna
 @pytest.fixture(scope="module")
 def small_pool(snap: TinySnapshot, pinned: int) -> Iterator[TestClient]:
     """A pool with 8 blocks (128 tokens) beside the pinned ones."""
-    state = ServeState(REF, REF, Timeline(), Limits())
+    state = ServeState(REF, REF, cold_start_timeline(), Limits())
     load_snapshot(state, str(snap.store), snap.cache, {"num_kv_blocks": pinned + 8, "max_model_len": CONTEXT})
     assert state.status == "ready", state.error
     with TestClient(create_app(state)) as client:
@@ -115,7 +115,7 @@ def test_chat_default_max_tokens_counts_the_shared_pinned_system_prefix(small_po
 def test_pool_too_small_for_the_pinned_blocks_refuses_to_start_naming_the_flag(
     snap: TinySnapshot, pinned: int
 ) -> None:
-    state = ServeState(REF, REF, Timeline(), Limits())
+    state = ServeState(REF, REF, cold_start_timeline(), Limits())
     load_snapshot(state, str(snap.store), snap.cache, {"num_kv_blocks": pinned, "max_model_len": CONTEXT})
     assert state.status == "failed"
     assert state.error is not None

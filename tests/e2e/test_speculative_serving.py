@@ -19,7 +19,7 @@ from tests.support.serving import DOC_TEXT, SYSTEM_TEXT
 from warmstart.handlers.cli.main import build_parser
 from warmstart.handlers.server.app import create_app
 from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.runtime import SamplingParams
 from warmstart.runtime.engine.speculative import DraftProposer
 from warmstart.runtime.random_model import make_random_model, perturb_model
@@ -50,7 +50,7 @@ def snap(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 
 def serve_state(snap: dict[str, Any], **options: Any) -> ServeState:
-    state = ServeState(REF, REF, Timeline(), Limits())
+    state = ServeState(REF, REF, cold_start_timeline(), Limits())
     load_snapshot(state, str(snap["root"] / "store"), snap["root"] / "cache",
                   {"num_kv_blocks": 64, "max_model_len": 256, **options})
     assert state.status == "ready", state.error

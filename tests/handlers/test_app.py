@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from tests.support.serving import REF, SYSTEM_TEXT, TinySnapshot, build_tiny_snapshot, error_of, ready_state
 from warmstart.handlers.server.app import create_app
 from warmstart.handlers.server.state import Limits, ServeState
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.runtime import LLM, SamplingParams
 from warmstart.snapshot.loader import load
 
@@ -61,7 +61,7 @@ def chat(system: str | None, user: str = "Hi there", **extra: Any) -> dict[str, 
 
 
 def test_health_is_503_and_requests_are_refused_until_the_engine_is_ready() -> None:
-    loading = ServeState(REF, REF, Timeline())
+    loading = ServeState(REF, REF, cold_start_timeline())
     with TestClient(create_app(loading)) as c:
         health = c.get("/health")
         assert health.status_code == 503 and health.json() == {"status": "loading"}
@@ -272,7 +272,7 @@ def test_the_engine_is_idle_and_serving_after_the_errors(client: TestClient, sta
 
 
 def test_api_key_guards_every_route_but_health(snap: TinySnapshot) -> None:
-    keyed = ServeState(REF, REF, Timeline(), Limits(api_key=KEY))
+    keyed = ServeState(REF, REF, cold_start_timeline(), Limits(api_key=KEY))
     with TestClient(create_app(keyed)) as c:
         assert c.get("/health").status_code == 503  # no key needed; still loading
         for path in ("/v1/models", "/status", "/metrics"):

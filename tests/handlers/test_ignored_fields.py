@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from warmstart.handlers.server.metrics import MAX_IGNORED_NAMES, Metrics
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 
 
 def counts(metrics: Metrics) -> dict[str, float]:
@@ -16,7 +16,7 @@ def counts(metrics: Metrics) -> dict[str, float]:
 
 
 def test_ignored_fields_are_counted_and_clients_cannot_grow_the_series() -> None:
-    metrics = Metrics("m", Timeline())
+    metrics = Metrics("m", cold_start_timeline())
     metrics.count_ignored(["prompt_cache_key", "reasoning_effort"])
     metrics.count_ignored(["prompt_cache_key"])
     assert counts(metrics) == {"prompt_cache_key": 2.0, "reasoning_effort": 1.0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from warmstart.handlers.server.metrics import Metrics
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.runtime.engine.lora import LoraStats
 
 
@@ -14,7 +14,7 @@ def samples(text: str) -> dict[str, float]:
 
 
 def test_load_errors_are_a_counter() -> None:
-    metrics = Metrics("base", Timeline())
+    metrics = Metrics("base", cold_start_timeline())
     stats = LoraStats(hits=5, misses=2, loads=2, load_seconds=0.25, load_errors=3, last_load_error="blob gone")
     values = samples(metrics.render(None, stats).decode())
     assert values["warmstart:lora_load_errors_total"] == 3
@@ -22,5 +22,5 @@ def test_load_errors_are_a_counter() -> None:
 
 
 def test_no_lora_families_without_lora_stats() -> None:
-    values = samples(Metrics("base", Timeline()).render(None).decode())
+    values = samples(Metrics("base", cold_start_timeline()).render(None).decode())
     assert not any(name.startswith("warmstart:lora_") for name in values)

@@ -80,9 +80,9 @@ def test_runtime_imports_neither_triton_nor_the_triton_kernels() -> None:
 
 
 def test_first_call_timings_cover_every_kernel() -> None:
+    from benchmarks.kernel_first_calls import first_call_seconds
     from tests.support.model_configs import FAMILIES
     from warmstart.runtime.models.config import ModelConfig
-    from warmstart.runtime.models.kernel_warmup import first_call_seconds
 
     config = ModelConfig.from_dict(FAMILIES["qwen3"])
     timings = first_call_seconds(config, torch.float32, torch.device(DEVICE))

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import warmstart.snapshot.loader as loader
 from tests.support.serving import REF, TinySnapshot, build_tiny_snapshot
 from warmstart.handlers.server.state import ServeState, load_snapshot
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.runtime import SamplingParams
 from warmstart.runtime.engine.device import DeviceError
 from warmstart.runtime.kernels import isa
@@ -94,7 +94,8 @@ def test_staged_weights_serve_the_same_tokens_and_the_timeline_has_device_copy(
     blobs = weight_blobs(snap)
     assert report.device == "cpu" and report.device_copy is not None
     assert report.device_copy["bytes"] == sum(blobs.values()) and report.device_copy["blobs"] == len(blobs)
-    assert report.phases["blobs"] <= report.phases["device_copy"] <= report.phases["mapped"] <= report.phases["ready"]
+    assert list(report.timeline.as_dict()["phases"]) == ["load_start", "manifest", "blobs", "device_copy", "mapped"]
+    assert report.timeline.details["device_copy"] == {"device": "cpu", **report.device_copy}
     weights = staged.engine.runner.model.weights
     assert not _views_of_a_mapping(weights.layers[0].qkv)  # a copy, not the mapped blob
     assert _views_of_a_mapping(mapped.engine.runner.model.weights.layers[0].qkv)
@@ -155,7 +156,7 @@ def test_serving_on_a_device_shows_the_copy_in_timeline_status_and_metrics(
     snap: TinySnapshot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(loader, "load_with_report", functools.partial(load_with_report, stage_weights=True))
-    state = ServeState(REF, REF, Timeline())
+    state = ServeState(REF, REF, cold_start_timeline())
     load_snapshot(state, str(snap.store), snap.cache, dict(OPTIONS), device="cpu")
     assert state.status == "ready", state.error
     status = state.status_json()
@@ -180,7 +181,7 @@ def test_serving_on_a_device_shows_the_copy_in_timeline_status_and_metrics(
 
 
 def test_a_cpu_load_copies_nothing(snap: TinySnapshot) -> None:
-    state = ServeState(REF, REF, Timeline())
+    state = ServeState(REF, REF, cold_start_timeline())
     load_snapshot(state, str(snap.store), snap.cache, dict(OPTIONS), device="cpu")
     assert state.status == "ready", state.error
     assert "device_copy" not in state.status_json()["phases"] and "device_copy" not in state.status_json()

@@ -18,7 +18,7 @@ from typing import Any
 
 from tests.support.cli import WARMSTART
 from warmstart.handlers.server.state import Limits, ServeState, load_snapshot
-from warmstart.handlers.server.timeline import Timeline
+from warmstart.handlers.server.timeline import cold_start_timeline
 from warmstart.snapshot.build import BuildOptions, PrefixSpec, build_snapshot
 from warmstart.snapshot.cache import BlobCache
 from warmstart.snapshot.stores import open_store
@@ -57,7 +57,7 @@ def build_tiny_snapshot(model_dir: Path, root: Path, system_text: str = SYSTEM_T
 
 
 def ready_state(snap: TinySnapshot, limits: Limits | None = None, **engine_options: Any) -> ServeState:
-    state = ServeState(REF, REF, Timeline(), limits or Limits())
+    state = ServeState(REF, REF, cold_start_timeline(), limits or Limits())
     options = {"num_kv_blocks": 64, "max_model_len": 256, **engine_options}
     load_snapshot(state, str(snap.store), snap.cache, options)
     assert state.status == "ready", state.error
