@@ -80,9 +80,24 @@ class Reply:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         return self._with_prompt_logprobs(choice, out)
 
-    def chunk(self, out: RequestOutput, first: bool) -> dict[str, Any] | None:
-        """The SSE chunk for what ``out`` adds, or None when it adds nothing. ``first``: the request's first
-        output; each choice's first chunk is sent whatever it holds (n > 1: per index). A step that brings
+    def opening(self) -> list[bytes]:
+        """What a stream sends before its first output: nothing, for chat and completions."""
+        return []
+
+    def delta(self, out: RequestOutput) -> list[bytes]:
+        chunk = self.chunk(out)
+        return [] if chunk is None else [sse(chunk)]
+
+    def closing(self, last: RequestOutput) -> list[bytes]:
+        return ([sse(self.usage_chunk(last))] if self.gen.include_usage else []) + [SSE_DONE]
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        """An error after the stream began (its status line is long gone): an SSE chunk holding the error object."""
+        return sse(body)
+
+    def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
+        """The SSE chunk for what ``out`` adds, or None when it adds nothing. Each choice's first chunk is sent
+        whatever it holds (n > 1: per index). A step that brings
         tokens whose text is held back (part of a UTF-8 character, a possible stop string) still gets its chunk,
         with empty text, as vLLM sends it: clients time tokens by chunks (vLLM's load tester's inter-token
         latency) and count them so."""

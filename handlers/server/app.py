@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from warmstart.handlers.openai.requests import APIError, Generation, ServedModel, bad, parse_chat, parse_completion
-from warmstart.handlers.server import embeddings_api, lora_routes, responses_api, tokenize_api
+from warmstart.handlers.openai.responses import ResponsesCall, ResponsesReply, to_chat
+from warmstart.handlers.server import embeddings_api, lora_routes, tokenize_api
 from warmstart.handlers.server.metrics import CONTENT_TYPE
 from warmstart.handlers.server.middleware import RequestContext, add_cors
 from warmstart.handlers.server.prompt_batch import serve_prompts, split_prompts
@@ -101,18 +102,14 @@ def create_app(state: ServeState) -> Starlette:
         state.timeline.mark("first_request")
         raw = await read_body(request, state.limits)
         tenant = _tenant(request, state.tenant_header)
-        calls: list[responses_api.ResponsesCall] = []
+        calls: list[ResponsesCall] = []
 
         def prepare() -> Generation:
-            calls.append(responses_api.to_chat(parse_json(raw)))
+            calls.append(to_chat(parse_json(raw)))
             return _salted(parse_chat(calls[0].chat, service.model), tenant)
 
-        reply = await service.respond(prepare, request.receive)
-        call, name = calls[0], service.model.name
-        if isinstance(reply, StreamingResponse):
-            reply.body_iterator = responses_api.events(call, call.model or name, reply.body_iterator)
-            return reply
-        return JSONResponse(responses_api.whole(call, json.loads(bytes(reply.body))))
+        return await service.respond(prepare, request.receive,
+                                     lambda gen, model, _: ResponsesReply(calls[0], gen, model))
 
     def tokenizing(work: Callable[[Any, ServedModel], dict[str, Any]]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:

@@ -9,12 +9,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from warmstart.handlers.openai.replies import SSE_DONE, Reply, sse
+from warmstart.handlers.openai.replies import Reply
 from warmstart.handlers.openai.requests import APIError, Generation, ServedModel, bad
 from warmstart.handlers.server.metrics import Metrics
 from warmstart.handlers.server.middleware import record_usage
@@ -27,6 +27,20 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 SSE_PING = b": ping\n\n"  # an SSE comment: clients skip it, proxies and load balancers see the stream alive
+
+
+class ReplyFormat(Protocol):
+    """How one request's outputs become its reply: the whole body, or a stream's bytes (openai/replies.py's Reply
+    for chat and completions, openai/responses.py's ResponsesReply for the Responses API)."""
+
+    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
+    def opening(self) -> list[bytes]: ...
+    def delta(self, out: RequestOutput) -> list[bytes]: ...
+    def closing(self, last: RequestOutput) -> list[bytes]: ...
+    def error(self, body: dict[str, Any]) -> bytes: ...
+
+
+ReplyFor = Callable[[Generation, ServedModel, str], ReplyFormat]  # (request, model, request id) -> its reply
 
 
 class ClientGone(Exception):
@@ -60,8 +74,10 @@ class Service:
         self.tokenizing = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                              thread_name_prefix="warmstart-tokenize")
 
-    async def respond(self, prepare: Callable[[], Generation], receive: Receive) -> Response:
-        """Serve the request ``prepare`` validates and tokenizes (in a thread, holding a slot meanwhile)."""
+    async def respond(self, prepare: Callable[[], Generation], receive: Receive,
+                      reply_for: ReplyFor = Reply) -> Response:  # fmt: skip
+        """Serve the request ``prepare`` validates and tokenizes (in a thread, holding a slot meanwhile), its reply
+        made by ``reply_for``."""
         from warmstart.runtime.async_engine import EngineDeadError
 
         if self.in_flight >= self.max_running + self.max_queue:
@@ -86,7 +102,7 @@ class Service:
             if isinstance(e, EngineDeadError):
                 raise self.unavailable(e) from None
             raise
-        reply = Reply(gen, self.model, run.request_id)
+        reply = reply_for(gen, self.model, run.request_id)
         if gen.stream:
             return EventStream(run, reply, first)
         assert first is not None
@@ -185,10 +201,11 @@ class _Run:
 
 
 class EventStream(StreamingResponse):
-    """SSE chunks as tokens arrive, then `data: [DONE]`. Starlette cancels the stream when the client goes
-    away; the request is then aborted, and closed here whatever happened."""
+    """The reply's stream as tokens arrive (chat's SSE chunks then `data: [DONE]`, or the Responses events).
+    Starlette cancels the stream when the client goes away; the request is then aborted, and closed here whatever
+    happened."""
 
-    def __init__(self, run: _Run, reply: Reply, first: RequestOutput | None) -> None:
+    def __init__(self, run: _Run, reply: ReplyFormat, first: RequestOutput | None) -> None:
         self.run = run
         self.reply = reply
         self.first = first
@@ -198,29 +215,28 @@ class EventStream(StreamingResponse):
     async def _events(self) -> AsyncIterator[bytes]:
         from warmstart.runtime.async_engine import EngineDeadError
 
-        out, first = self.first, True
+        for opening in self.reply.opening():
+            yield opening
+        out = self.first
         while True:
             while out is None:
                 try:
                     out = await self.run.poll(self.run.service.ping_s)
                 except EngineDeadError as e:  # the status line is long gone: say it in the stream
-                    yield sse(self.run.service.unavailable(e).body())
+                    yield self.reply.error(self.run.service.unavailable(e).body())
                     return
                 except ValueError as e:  # the engine's own checks, on a stream that started before its first token
-                    yield sse(bad(str(e)).body())
+                    yield self.reply.error(bad(str(e)).body())
                     return
                 if out is None:
                     yield SSE_PING
-            chunk = self.reply.chunk(out, first)
-            first = False
-            if chunk is not None:
-                yield sse(chunk)
+            for delta in self.reply.delta(out):
+                yield delta
             if self.run.num_finished == self.run.num_choices:
                 break
             out = None
-        if self.reply.gen.include_usage:
-            yield sse(self.reply.usage_chunk(out))
-        yield SSE_DONE
+        for closing in self.reply.closing(out):
+            yield closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -227,6 +227,17 @@ def test_reasoning_parser_splits_the_thinking_out(thinking: tuple[ServerProcess,
     assert not hasattr(raw, "reasoning_content")
 
 
+def test_responses_leave_the_thinking_out_of_the_output_text(thinking: tuple[ServerProcess, ThinkingModel]) -> None:
+    server, model = thinking
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    args: dict[str, Any] = {"model": REF, "input": model.messages, "max_output_tokens": REPLY_TOKENS,
+                            "temperature": 0, "extra_body": {"ignore_eos": True}}
+    assert client.responses.create(**args).output_text == model.content
+    events = list(client.responses.create(stream=True, **args))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == model.content
+    assert events[-1].response.output_text == model.content  # type: ignore[union-attr]
+
+
 def test_enable_thinking_false_gives_content_only(thinking: tuple[ServerProcess, ThinkingModel]) -> None:
     server, model = thinking
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)

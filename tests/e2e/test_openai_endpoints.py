@@ -110,6 +110,7 @@ def test_responses_stream_the_event_sequence(client: openai.OpenAI) -> None:
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"background": True}, "background"),
+    ({"n": 2}, "n"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
 ])

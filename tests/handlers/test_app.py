@@ -315,6 +315,45 @@ def test_metrics_carry_the_vllm_names(client: TestClient) -> None:
     assert float(hits.split()[-1]) >= 32
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_an_engine_failing_mid_stream_ends_the_stream_with_one_error(snap: TinySnapshot, path: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status line is long sent: the failure is the stream's last message, in its API's own shape (chat's
+    error chunk, the Responses API's error event), and nothing follows it."""
+    failing = ready_state(snap)
+    assert failing.service is not None
+    runner = failing.service.llm.engine.runner
+    real_run, calls = runner.run, []
+
+    def lost_after_three(batch: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", lost_after_three)
+    body = ({"input": "Once upon a time", "max_output_tokens": 32} if path == "/v1/responses" else
+            {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 32})
+    try:
+        with TestClient(create_app(failing)) as c, c.stream("POST", path, json={
+                "model": REF, "stream": True, "temperature": 0, "ignore_eos": True, **body}) as r:
+            assert r.status_code == 200
+            messages = [m for m in r.read().decode().split("\n\n") if m]
+    finally:
+        failing.shutdown()
+    last = json.loads(messages[-1].split("data: ", 1)[1])
+    if path == "/v1/responses":
+        assert messages[-1].startswith("event: error\n") and last["type"] == "error"
+        assert "device lost" in last["message"] and last["sequence_number"] == len(messages) - 1
+        assert [json.loads(m.split("data: ", 1)[1])["type"] for m in messages[:4]] == [
+            "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+        assert not any("response.completed" in m for m in messages)
+    else:
+        assert set(last) == {"error"} and "device lost" in last["error"]["message"]
+        assert "data: [DONE]" not in messages
+
+
 def test_a_stopped_engine_makes_health_503_and_requests_503(snap: TinySnapshot) -> None:
     stopped = ready_state(snap)
     assert stopped.service is not None

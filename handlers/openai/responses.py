@@ -1,23 +1,29 @@
-"""POST /v1/responses (OpenAI's Responses API, the Agents SDK's default call) as a translation of chat completions.
+"""OpenAI's Responses API (POST /v1/responses, the Agents SDK's default call): the request in, the reply out.
 
 A Responses request becomes a chat completions body (``input`` the messages, ``instructions`` a system message
 in front, ``max_output_tokens`` max_tokens, the sampling fields as they are), which the chat parser validates and
-the engine serves; its reply, whole or streamed, becomes a Response object or the Responses event sequence
-(response.created, response.in_progress, response.output_item.added, response.content_part.added,
-response.output_text.delta..., response.output_text.done, response.content_part.done, response.output_item.done,
-response.completed). Text in, text out: no stored responses, no built-in tools.
+tokenizes. The reply is built from the engine's RequestOutputs as chat's is (openai/replies.py): a Response
+object, or the Responses event sequence (response.created, response.in_progress, response.output_item.added,
+response.content_part.added, response.output_text.delta..., response.output_text.done,
+response.content_part.done, response.output_item.done, response.completed). Text in, text out: no stored
+responses, no built-in tools; with --reasoning-parser the reasoning is left out of the output text.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from warmstart.handlers.openai.requests import bad, json_type
+from warmstart.handlers.openai.reasoning import ReasoningStream, message_fields
+from warmstart.handlers.openai.replies import best, usage
+from warmstart.handlers.openai.requests import Generation, ServedModel, bad, json_type
+
+if TYPE_CHECKING:
+    from warmstart.runtime.outputs import RequestOutput
 
 # Responses fields with no effect on what this server generates: dropped before the chat parser sees the body.
 IGNORED = {"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
@@ -30,8 +36,9 @@ REFUSED = {
     "background": "this server answers in the foreground only; leave background out",
     "tools": "tools are not supported on /v1/responses; leave tools out",
     "top_logprobs": "top_logprobs is not supported on /v1/responses; use /v1/chat/completions for logprobs",
+    "n": "a Response has one output; use /v1/chat/completions for several choices",
 }
-NEUTRAL = {"background": False, "tools": [], "top_logprobs": 0}
+NEUTRAL = {"background": False, "tools": [], "top_logprobs": 0, "n": 1}
 TEXT_PARTS = {"input_text", "output_text", "text"}
 ROLES = {"user", "assistant", "system", "developer"}
 
@@ -42,7 +49,6 @@ class ResponsesCall:
 
     chat: dict[str, Any]
     instructions: str | None
-    model: str | None
     max_output_tokens: int | None
     temperature: float | None
     top_p: float | None
@@ -75,9 +81,7 @@ def to_chat(body: Any) -> ResponsesCall:
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
-    if body.get("stream") is True:
-        chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage
-    return ResponsesCall(chat, instructions, _str(body.get("model")), _int(body.get("max_output_tokens")),
+    return ResponsesCall(chat, instructions, _int(body.get("max_output_tokens")),
                          _num(body.get("temperature")), _num(body.get("top_p")), body.get("metadata"))
 
 
@@ -140,10 +144,6 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     return fmt if isinstance(fmt, dict) else {"type": fmt}
 
 
-def _str(v: Any) -> str | None:
-    return v if isinstance(v, str) else None
-
-
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
@@ -155,85 +155,97 @@ def _num(v: Any) -> float | None:
 # -- replies -------------------------------------------------------------------------------------------------
 
 
-def response_object(call: ResponsesCall, model: str, text: str | None, finish_reason: str | None,
-                    usage: dict[str, Any] | None) -> dict[str, Any]:
-    """The Response: in progress (text None), or done with its one assistant message."""
-    done = text is not None
-    incomplete = finish_reason == "length"
-    status = "in_progress" if not done else "incomplete" if incomplete else "completed"
-    output = [message_item(call, text or "", "incomplete" if incomplete else "completed")] if done else []
-    return {
-        "id": call.id, "object": "response", "created_at": call.created_at, "status": status,
-        "completed_at": int(time.time()) if done else None, "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": call.instructions, "max_output_tokens": call.max_output_tokens, "model": model,
-        "output": output, "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None,
-        "store": False, "temperature": call.temperature, "top_p": call.top_p, "text": {"format": {"type": "text"}},
-        "tool_choice": "none", "tools": [], "truncation": "disabled", "metadata": call.metadata or {},
-        "usage": responses_usage(usage) if usage else None,
-    }
+@dataclass
+class ResponsesReply:
+    """Builds one /v1/responses reply from the engine's outputs: the Response, or its stream of events."""
 
+    call: ResponsesCall
+    gen: Generation
+    model: ServedModel
+    text: list[str] = field(default_factory=list)  # the output text streamed so far
+    reasoning: ReasoningStream | None = None
+    sequence: itertools.count[int] = field(default_factory=itertools.count)
 
-def message_item(call: ResponsesCall, text: str, status: str) -> dict[str, Any]:
-    return {"id": call.message_id, "type": "message", "role": "assistant", "status": status,
-            "content": [output_text(text)] if status != "in_progress" else []}
+    def __post_init__(self) -> None:
+        if self.model.reasoning_parser is not None:
+            self.reasoning = ReasoningStream(self.model.reasoning_parser)
+
+    @property
+    def model_name(self) -> str:
+        return self.gen.model_name or self.model.name
+
+    def whole(self, outs: RequestOutput | list[RequestOutput]) -> dict[str, Any]:
+        outs = outs if isinstance(outs, list) else [outs]
+        out = best(outs, 1)[0]
+        text = message_fields(self.model.reasoning_parser, out.text)["content"] or ""
+        return self._response(text, out.finish_reason, usage(outs))
+
+    def opening(self) -> list[bytes]:
+        started = self._response(None, None, None)
+        return [self._event("response.created", response=started),
+                self._event("response.in_progress", response=started),
+                self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
+                self._event("response.content_part.added", part=output_text(""), **self._where)]
+
+    def delta(self, out: RequestOutput) -> list[bytes]:
+        new = out.new_text
+        if self.reasoning is not None:
+            new = self.reasoning.delta_fields(new, out.finished).get("content") or ""
+        if not new:
+            return []
+        self.text.append(new)
+        return [self._event("response.output_text.delta", delta=new, logprobs=[], **self._where)]
+
+    def closing(self, last: RequestOutput) -> list[bytes]:
+        full = "".join(self.text)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        # Always response.completed (its status says incomplete), as vLLM does: clients wait for that event.
+        return [self._event("response.output_text.done", text=full, logprobs=[], **self._where),
+                self._event("response.content_part.done", part=output_text(full), **self._where),
+                self._event("response.output_item.done", output_index=0, item=self._message(full, status)),
+                self._event("response.completed", response=self._response(full, last.finish_reason, usage(last)))]
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        """The engine stopped mid-stream: the Responses error event (nothing comes after it)."""
+        error = body["error"]
+        return self._event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
+
+    @property
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.call.message_id, "output_index": 0, "content_index": 0}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": next(self.sequence), **fields}
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    def _response(self, text: str | None, finish_reason: str | None, used: dict[str, Any] | None) -> dict[str, Any]:
+        """The Response: in progress (text None), or done with its one assistant message."""
+        call, done = self.call, text is not None
+        incomplete = finish_reason == "length"
+        status = "in_progress" if not done else "incomplete" if incomplete else "completed"
+        output = [self._message(text or "", "incomplete" if incomplete else "completed")] if done else []
+        return {
+            "id": call.id, "object": "response", "created_at": call.created_at, "status": status,
+            "completed_at": int(time.time()) if done else None, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": call.instructions, "max_output_tokens": call.max_output_tokens, "model": self.model_name,
+            "output": output, "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None,
+            "store": False, "temperature": call.temperature, "top_p": call.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
+            "metadata": call.metadata or {}, "usage": responses_usage(used) if used else None,
+        }
+
+    def _message(self, text: str, status: str) -> dict[str, Any]:
+        return {"id": self.call.message_id, "type": "message", "role": "assistant", "status": status,
+                "content": [output_text(text)] if status != "in_progress" else []}
 
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"]}
-
-
-def whole(call: ResponsesCall, completion: dict[str, Any]) -> dict[str, Any]:
-    """The Response for a whole chat completion."""
-    choice = completion["choices"][0]
-    return response_object(call, completion["model"], choice["message"]["content"] or "", choice["finish_reason"],
-                           completion["usage"])
-
-
-async def events(call: ResponsesCall, model: str, chunks: AsyncIterable[Any]) -> AsyncIterator[bytes]:
-    """The Responses event stream for a chat completion's SSE chunks (SSE comments, pings, pass through)."""
-    seq = iter(range(1 << 62))
-
-    def event(kind: str, **fields: Any) -> bytes:
-        body = {"type": kind, "sequence_number": next(seq), **fields}
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
-
-    where = {"item_id": call.message_id, "output_index": 0, "content_index": 0}
-    started = response_object(call, model, None, None, None)
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
-    yield event("response.output_item.added", output_index=0, item=message_item(call, "", "in_progress"))
-    yield event("response.content_part.added", part=output_text(""), **where)
-    text, finish_reason, usage = [], None, None
-    async for item in chunks:
-        raw = item.encode() if isinstance(item, str) else bytes(item)
-        if not raw.startswith(b"data: {"):  # a ping, or chat's [DONE]
-            if raw.startswith(b":"):
-                yield raw
-            continue
-        chunk = json.loads(raw[6:])
-        if "error" in chunk:  # the engine stopped mid-stream: the Responses error event, and nothing after it
-            error = chunk["error"]
-            yield event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
-            return
-        model = chunk.get("model", model)
-        usage = chunk.get("usage") or usage
-        for choice in chunk.get("choices", []):
-            if choice["delta"].get("content"):
-                text.append(choice["delta"]["content"])
-                yield event("response.output_text.delta", delta=choice["delta"]["content"], logprobs=[], **where)
-            finish_reason = choice.get("finish_reason") or finish_reason
-    full = "".join(text)
-    status = "incomplete" if finish_reason == "length" else "completed"
-    yield event("response.output_text.done", text=full, logprobs=[], **where)
-    yield event("response.content_part.done", part=output_text(full), **where)
-    yield event("response.output_item.done", output_index=0, item=message_item(call, full, status))
-    # Always response.completed (its status says incomplete), as vLLM does: clients wait for that event.
-    yield event("response.completed", response=response_object(call, model, full, finish_reason, usage))
+def responses_usage(used: dict[str, Any]) -> dict[str, Any]:
+    cached = (used.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": used["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": used["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": used["total_tokens"]}
