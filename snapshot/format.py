@@ -14,6 +14,8 @@ from typing import Any
 import msgpack
 import xxhash
 
+from warmstart.snapshot.manifest_view import ManifestView
+
 FORMAT = "warmstart-snapshot"
 FORMAT_VERSION = 1
 ALIGNMENT = 4096  # every tensor starts at a multiple of this inside its blob
@@ -43,7 +45,8 @@ def is_id(text: str) -> bool:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A decoded manifest. ``data`` is the msgpack map itself (see docs/SNAPSHOT_FORMAT.md)."""
+    """A decoded manifest. ``data`` is the msgpack map itself (see docs/SNAPSHOT_FORMAT.md), what the build writes
+    and the id hashes; ``view(rank)`` reads it as typed records."""
 
     data: dict[str, Any]
 
@@ -69,6 +72,10 @@ class Manifest:
                 "(rebuild the snapshot with this version, or upgrade warmstart)"
             )
         return cls(data)
+
+    def view(self, rank: int = 0) -> ManifestView:
+        """What tensor-parallel rank ``rank`` reads (the whole manifest when it is not sharded), typed."""
+        return ManifestView(rank_view(self.data, rank))
 
     def blob_sizes(self, rank: int | None = None) -> dict[str, int]:
         """Every blob the snapshot needs, with its size in bytes; with ``rank``, only those that tensor-parallel

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,8 +35,9 @@ from warmstart.runtime.timeline import Timeline
 from warmstart.runtime.tokenizer import Tokenizer
 from warmstart.snapshot.cache import BlobCache
 from warmstart.snapshot.device_copy import BlobCopier
-from warmstart.snapshot.format import Manifest, blob_id, is_id, kv_fingerprint, rank_view
+from warmstart.snapshot.format import Manifest, blob_id, is_id, kv_fingerprint
 from warmstart.snapshot.lora import LoraPull, lora_blob_ids, lora_loader
+from warmstart.snapshot.manifest_view import DraftModel, ManifestView, TensorEntry
 from warmstart.snapshot.refs import resolve_ref
 from warmstart.snapshot.store import Store
 from warmstart.snapshot.stores import open_store
@@ -119,10 +120,10 @@ def load_with_report(
     def check(m: Manifest) -> None:
         """Before anything is pulled: the rank count, and what the device can take."""
         _check_ranks(m, group)
-        view = rank_view(m.data, rank or 0)
+        view = m.view(rank or 0)
         _check_runs_on(view, where, m.id)
         if copier is not None:
-            copier.want(_weight_blobs(view, draft))
+            copier.want(view.weight_blobs(with_draft=draft))
             _check_weights_fit(where, sum(copier.sizes.values()), m.id)
 
     if cached is not None:
@@ -188,8 +189,8 @@ def engine_from_manifest(
     leaves them in the store, see snapshot.lora.LoraPull)."""
     sid = manifest.id
     _check_ranks(manifest, group)
-    m = rank_view(manifest.data, 0 if group is None else group.rank)
-    config = ModelConfig.from_dict(m["model"]["config"], source=f"snapshot {sid}")
+    m = manifest.view(0 if group is None else group.rank)
+    config = ModelConfig.from_dict(dict(m.model_config), source=f"snapshot {sid}")
     options = _engine_options(m, engine_options, sid)
     on_device = _finish_copy(copier, sid) if copier is not None else {}
     timeline = timeline or Timeline()
@@ -197,15 +198,15 @@ def engine_from_manifest(
         timeline.mark("device_copy", device=str(copier.device), **copier.stats.as_dict())
     later = lora_blob_ids(manifest)  # read when an adapter is paged in, not mapped
     mapped = {b: on_device[b] if b in on_device else _map_cached(cache, b, size, sid)
-              for b, size in m["blobs"].items() if b not in later}
-    tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in m["tensors"].items()}
+              for b, size in m.blobs.items() if b not in later}
+    tensors = {name: tensor_view(mapped[t.blob], t) for name, t in m.tensors.items()}
     shard_config = config
     if group is not None and group.world > 1:
         from warmstart.runtime.engine.tensor_parallel import shard_config as sharded
 
         shard_config = sharded(config, group.world)
-    weights = _weights(shard_config, tensors, m.get("quantized", {}))
-    files = {name: cache.path(b) for name, b in m["tokenizer"].items()}
+    weights = _weights(shard_config, tensors, m.quantized)
+    files = {name: cache.path(b) for name, b in m.tokenizer.items()}
     tokenizer = None
     if "tokenizer.json" in files:
         tokenizer = Tokenizer.from_files(
@@ -223,25 +224,24 @@ def engine_from_manifest(
     else:
         engine = LLMEngine.from_weights(config, weights, tokenizer, options, draft,
                                         pinned_blocks=_pinned_blocks(m, options))
-    engine.use_generation_defaults(GenerationDefaults.from_dict(m.get("generation_config") or {},
+    engine.use_generation_defaults(GenerationDefaults.from_dict(dict(m.generation_config),
                                                                 f"snapshot {sid}'s generation_config"))
-    draft_kv = m["draft"]["prefix_kv"] if draft is not None else [None] * len(m["prefixes"])
-    for p, d in zip(m["prefixes"], draft_kv, strict=True):
-        if p["blob"] is not None:
-            engine.prefixes.load_prefix(p["token_ids"], p["block_hashes"], tensor_view(mapped[p["blob"]], p),
-                               tensor_view(mapped[d["blob"]], d) if d is not None else None)
+    draft_kv = m.draft.prefix_kv if draft is not None and m.draft is not None else (None,) * len(m.prefixes)
+    for p, d in zip(m.prefixes, draft_kv, strict=True):
+        if p.kv is not None:
+            engine.prefixes.load_prefix(p.token_ids, p.block_hashes, tensor_view(mapped[p.kv.blob], p.kv),
+                                        tensor_view(mapped[d.blob], d) if d is not None else None)
         if prefixes_out is not None:
-            prefixes_out.append({"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
-                                    "cached_tokens": len(p["block_hashes"]) * options.block_size})
-    for a in m.get("adapters", []):
-        engine.prefixes.load_adapter(a["name"], a["kind"], a["num_virtual_tokens"], tensor_view(mapped[a["blob"]], a))
-    for lora in m.get("loras", []):  # paged in by the engine when a request first needs one (snapshot/lora.py)
-        engine.add_lora(lora["name"], lora_loader(lora, cache, m["blobs"][lora["blob"]], pull_lora),
-                        int(lora["rank"]))
-    selector = m.get("adapter_selector")
+            prefixes_out.append({"name": p.name, "kind": p.kind, "tokens": len(p.token_ids),
+                                 "cached_tokens": p.cached_tokens(options.block_size)})
+    for a in m.adapters:
+        engine.prefixes.load_adapter(a.name, a.kind, a.num_virtual_tokens, tensor_view(mapped[a.kv.blob], a.kv))
+    for lora in m.loras:  # paged in by the engine when a request first needs one (snapshot/lora.py)
+        engine.add_lora(lora.name, lora_loader(lora.record, cache, m.blobs[lora.blob], pull_lora), lora.rank)
+    selector = m.adapter_selector
     if selector is not None:
-        centroids = tensor_view(mapped[selector["blob"]], selector)
-        engine.set_adapter_selector(AdapterSelector(list(selector["names"]), centroids))
+        centroids = tensor_view(mapped[selector.centroids.blob], selector.centroids)
+        engine.set_adapter_selector(AdapterSelector(list(selector.names), centroids))
     return engine
 
 
@@ -253,20 +253,11 @@ def _carry_kernels_in(cache: BlobCache) -> None:
         carry_kernels_under(cache.root / "kernels")
 
 
-def _weight_blobs(m: dict[str, Any], draft: bool) -> dict[str, int]:
-    """The blobs holding a (rank's view of a) manifest's weights, and the draft model's when ``draft``, with
-    their sizes: what goes to the device."""
-    entries = list(m["tensors"].values())
-    if draft and m.get("draft"):
-        entries += m["draft"]["tensors"].values()
-    return {t["blob"]: m["blobs"][t["blob"]] for t in entries}
-
-
-def _check_runs_on(m: dict[str, Any], device: torch.device, sid: str) -> None:
+def _check_runs_on(m: ManifestView, device: torch.device, sid: str) -> None:
     """nf4 has no GPU kernel (runtime/kernels/ops.py): refuse it off the CPU before anything is pulled."""
     if device.type == "cpu":
         return
-    metas = list(m.get("quantized", {}).values()) + list((m.get("draft") or {}).get("quantized", {}).values())
+    metas = list(m.quantized.values()) + list(m.draft.quantized.values() if m.draft is not None else [])
     if any(meta.get("scheme") == "nf4" for meta in metas):
         raise SnapshotError(f"snapshot {sid} is quantized nf4, which has no kernel on {device}; serve it on the CPU "
                             "(--device cpu), or rebuild it with --quant int8 or int4 for a GPU")
@@ -290,11 +281,11 @@ def _finish_copy(copier: BlobCopier, sid: str) -> dict[str, torch.Tensor]:
                             "they were copied there; free GPU memory, or quantize or split the snapshot") from None
 
 
-def _pinned_blocks(m: dict[str, Any], options: EngineOptions) -> int:
+def _pinned_blocks(m: ManifestView, options: EngineOptions) -> int:
     """KV blocks the snapshot's prefixes and adapters will hold for good (see LLMEngine.load_prefix and
     load_adapter), so that a pool sized from memory gets them on top of what requests need."""
-    prefixes = sum(len(p["block_hashes"]) for p in m["prefixes"] if p["blob"] is not None)
-    adapters = sum(-(-a["num_virtual_tokens"] // options.block_size) for a in m.get("adapters", []))
+    prefixes = sum(len(p.block_hashes) for p in m.prefixes if p.kv is not None)
+    adapters = sum(a.blocks(options.block_size) for a in m.adapters)
     return (prefixes if options.enable_prefix_caching else 0) + adapters
 
 
@@ -322,19 +313,20 @@ def _map_cached(cache: BlobCache, blob: str, size: int, sid: str) -> torch.Tenso
     return mapped
 
 
-def tensor_view(blob: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
-    offset, dtype = entry.get("offset", 0), getattr(torch, entry["dtype"])
-    nbytes = entry.get("nbytes")
+def tensor_view(blob: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor ``entry`` places in ``blob`` (a mapped or copied blob's bytes), without a copy."""
+    dtype = getattr(torch, entry.dtype)
+    nbytes = entry.nbytes
     if nbytes is None:
-        nbytes = torch.Size(entry["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
-    return blob[offset : offset + nbytes].view(dtype).view(entry["shape"])
+        nbytes = torch.Size(entry.shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return blob[entry.offset : entry.offset + nbytes].view(dtype).view(entry.shape)
 
 
-def _weights(config: ModelConfig, tensors: dict[str, torch.Tensor], quant_meta: dict[str, Any]) -> ModelWeights:
+def _weights(config: ModelConfig, tensors: dict[str, torch.Tensor], quant_meta: Mapping[str, Any]) -> ModelWeights:
     def get(name: str) -> torch.Tensor | QuantizedWeight | None:
         if name in quant_meta:
             parts = {k[len(name) + 1 :]: t for k, t in tensors.items() if k.startswith(name + ".")}
-            return from_tensors(quant_meta[name], parts)
+            return from_tensors(dict(quant_meta[name]), parts)
         return tensors.get(name)
 
     layers = [
@@ -346,8 +338,8 @@ def _weights(config: ModelConfig, tensors: dict[str, torch.Tensor], quant_meta: 
     return ModelWeights(embed=embed, layers=layers, norm=tensors["norm"], lm_head=embed if lm_head is None else lm_head)
 
 
-def _engine_options(m: dict[str, Any], given: dict[str, Any], sid: str) -> EngineOptions:
-    fixed = {"dtype": m["engine"]["dtype"], "block_size": m["engine"]["block_size"]}
+def _engine_options(m: ManifestView, given: dict[str, Any], sid: str) -> EngineOptions:
+    fixed = {"dtype": m.engine.dtype, "block_size": m.engine.block_size}
     for key, value in fixed.items():
         if given.get(key, value) != value:
             raise SnapshotError(
@@ -360,30 +352,30 @@ def _engine_options(m: dict[str, Any], given: dict[str, Any], sid: str) -> Engin
     return EngineOptions(**{**given, **fixed})
 
 
-def _draft(m: dict[str, Any], mapped: dict[str, torch.Tensor], sid: str) -> tuple[ModelConfig, ModelWeights]:
+def _draft(m: ManifestView, mapped: dict[str, torch.Tensor], sid: str) -> tuple[ModelConfig, ModelWeights]:
     """The snapshot's draft model (see snapshot.draft), for speculative="draft"."""
-    d = m.get("draft")
+    d: DraftModel | None = m.draft
     if d is None:
         raise SnapshotError(f"snapshot {sid} has no draft model; rebuild it with `warmstart build ... --draft "
                             "DRAFT_DIR`, or serve with --speculative ngram")
-    config = ModelConfig.from_dict(d["model"]["config"], source=f"snapshot {sid} draft")
-    tensors = {name: tensor_view(mapped[t["blob"]], t) for name, t in d["tensors"].items()}
-    weight_blobs = sorted({t["blob"] for t in d["tensors"].values()})
-    e = m["engine"]
-    mine = kv_fingerprint(weight_blobs, d["quantization"], e["dtype"], e["block_size"], runtime.__version__)
-    if d["prefix_kv"] and mine != d["fingerprint"]:
+    config = ModelConfig.from_dict(dict(d.config), source=f"snapshot {sid} draft")
+    tensors = {name: tensor_view(mapped[t.blob], t) for name, t in d.tensors.items()}
+    weight_blobs = sorted({t.blob for t in d.tensors.values()})
+    e = m.engine
+    mine = kv_fingerprint(weight_blobs, dict(d.quantization), e.dtype, e.block_size, runtime.__version__)
+    if d.prefix_kv and mine != d.fingerprint:
         raise SnapshotError(f"snapshot {sid}: its draft's prefix KV is not valid for warmstart {runtime.__version__}"
                             " with these weights; rebuild it with `warmstart build`")
-    return config, _weights(config, tensors, d.get("quantized", {}))
+    return config, _weights(config, tensors, d.quantized)
 
 
-def _check_fingerprint(m: dict[str, Any], sid: str) -> None:
-    weight_blobs = sorted({t["blob"] for t in m["tensors"].values()})
-    e = m["engine"]
-    mine = kv_fingerprint(weight_blobs, m["quantization"], e["dtype"], e["block_size"], runtime.__version__)
-    if (m["prefixes"] or m.get("adapters")) and mine != m["fingerprint"]:
+def _check_fingerprint(m: ManifestView, sid: str) -> None:
+    weight_blobs = sorted({t.blob for t in m.tensors.values()})
+    e = m.engine
+    mine = kv_fingerprint(weight_blobs, dict(m.quantization), e.dtype, e.block_size, runtime.__version__)
+    if (m.prefixes or m.adapters) and mine != m.fingerprint:
         raise SnapshotError(
-            f"snapshot {sid}: its prefix and adapter KV was computed by warmstart {e['version']} for other weights or "
+            f"snapshot {sid}: its prefix and adapter KV was computed by warmstart {e.version} for other weights or "
             f"settings, and is not valid for warmstart {runtime.__version__} with these weights; rebuild it "
             "with `warmstart build`"
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,7 +111,7 @@ def read_verified_blob(cache: BlobCache, blob: str, size: int, what: str) -> tor
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def lora_loader(entry: dict[str, Any], cache: BlobCache, size: int,
+def lora_loader(entry: Mapping[str, Any], cache: BlobCache, size: int,
                 pull: Callable[[str], None] = lambda _: None) -> Callable[[], LoraWeights]:
     """What the engine calls to page the adapter in: its blob read from the cache, verified, as LoraWeights.
     ``pull(blob)`` brings the blob into the cache first where it may not be there yet (LoraPull.fetch)."""
@@ -167,7 +167,7 @@ def _view(raw: torch.Tensor, place: dict[str, Any]) -> torch.Tensor:
 
 def lora_blob_ids(manifest: Manifest) -> set[str]:
     """The blobs of a manifest's LoRA adapters: not needed to serve until a request names one."""
-    return {entry["blob"] for entry in manifest.data.get("loras", [])}
+    return {lora.blob for lora in manifest.view().loras}
 
 
 class LoraPull:

@@ -19,6 +19,7 @@ from warmstart.handlers.errors import CliError, positive_int
 from warmstart.handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
 
 if TYPE_CHECKING:
+    from warmstart.snapshot.format import Manifest
     from warmstart.snapshot.store import Store
     from warmstart.snapshot.verify import VerifyReport
 
@@ -187,13 +188,12 @@ def cmd_build(args: argparse.Namespace) -> int:
                               progress=not (args.quiet or args.json))
         for name in args.tag:
             store.set_ref(name, built.id)
+    view = built.manifest.view()
     result = {"id": built.id, "store": store.uri, "blobs_total": stats.blobs_total,
               "blobs_uploaded": stats.blobs_uploaded, "bytes_uploaded": stats.bytes_uploaded,
               "blobs_replaced": stats.blobs_replaced,
-              "tags": args.tag, "prefixes": [{"name": p["name"], "tokens": len(p["token_ids"])}
-                                             for p in built.manifest.data["prefixes"]],
-              "adapters": adapter_summaries(built.manifest.data),
-              "loras": lora_summaries(built.manifest.data), "selector": selector_summary(built.manifest.data)}
+              "tags": args.tag, "prefixes": [{"name": p.name, "tokens": len(p.token_ids)} for p in view.prefixes],
+              "adapters": adapter_summaries(view), "loras": lora_summaries(view), "selector": selector_summary(view)}
     if args.json:
         print(json.dumps(result))
     else:
@@ -329,11 +329,12 @@ def _ls_row(store: Any, sid: str, refs: dict[str, str]) -> dict[str, Any]:
     """The snapshot's line in `ls`; raises CorruptBlob or FormatError when its manifest cannot be read."""
     from warmstart.snapshot.format import FormatError, Manifest
 
-    m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
+    manifest = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}")
+    m = manifest.view()
     try:
         return {"id": sid, "refs": sorted(n for n, t in refs.items() if t == sid),
-                "architecture": str(m["model"]["architecture"]), "quant": str(m["quantization"]["scheme"]),
-                "bytes": sum(m["blobs"].values()), "prefixes": [str(p["name"]) for p in m["prefixes"]]}
+                "architecture": m.architecture, "quant": str(m.quantization["scheme"]),
+                "bytes": sum(manifest.blob_sizes().values()), "prefixes": [str(p.name) for p in m.prefixes]}
     except (KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"the manifest of snapshot {sid} lacks a field or has one of the wrong type "
                           f"({type(e).__name__}: {str(e)[:80]}); rebuild and push it") from None
@@ -347,8 +348,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         store = open_store(args.store)
         sid = resolve_ref(store, args.ref)
-        m = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}").data
-    info = describe(sid, m)
+        manifest = Manifest.decode(store.get_manifest(sid), where=f"snapshot {sid}")
+    info = describe(sid, manifest)
     if args.json:
         print(json.dumps(info))
         return 0
@@ -373,34 +374,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(sid: str, m: dict[str, Any]) -> dict[str, Any]:
-    from warmstart.snapshot.format import rank_view, tensor_parallel_size
-
-    block_size = m["engine"]["block_size"]
-    world = tensor_parallel_size(m)
-    rank0 = rank_view(m, 0)  # a sharded snapshot's tensors are listed as rank 0 holds them
+def describe(sid: str, manifest: Manifest) -> dict[str, Any]:
+    world = manifest.tensor_parallel
+    m = manifest.view(0)  # a sharded snapshot's tensors are listed as rank 0 holds them
+    block_size = m.engine.block_size
     return {
         "id": sid,
-        "architecture": m["model"]["architecture"],
-        "config": m["model"]["config"],
-        "dtype": m["engine"]["dtype"],
+        "architecture": m.architecture,
+        "config": m.model_config,
+        "dtype": m.engine.dtype,
         "block_size": block_size,
-        "quantization": m["quantization"],
-        "tensors": {
-            n: {"dtype": t["dtype"], "shape": t["shape"], "bytes": t["nbytes"]} for n, t in rank0["tensors"].items()
-        },
-        "bytes": sum(m["blobs"].values()),
+        "quantization": m.quantization,
+        "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for n, t in m.tensors.items()},
+        "bytes": sum(manifest.blob_sizes().values()),
         "tensor_parallel": world,
-        "bytes_per_rank": [sum(rank_view(m, r)["blobs"].values()) for r in range(world)],
-        "blobs": len(m["blobs"]),
-        "prefixes": [{"name": p["name"], "kind": p["kind"], "tokens": len(p["token_ids"]),
-                      "cached_tokens": len(p["block_hashes"]) * block_size} for p in m["prefixes"]],
+        "bytes_per_rank": [sum(manifest.blob_sizes(r).values()) for r in range(world)],
+        "blobs": len(manifest.blob_sizes()),
+        "prefixes": [{"name": p.name, "kind": p.kind, "tokens": len(p.token_ids),
+                      "cached_tokens": p.cached_tokens(block_size)} for p in m.prefixes],
         "adapters": adapter_summaries(m),
         "loras": lora_summaries(m),
         "selector": selector_summary(m),
-        "tool": m["provenance"]["tool"],
-        **({"draft": {"architecture": m["draft"]["model"]["architecture"], "quantization": m["draft"]["quantization"],
-                      "bytes": sum(t["nbytes"] for t in m["draft"]["tensors"].values())}} if "draft" in m else {}),
+        "tool": m.provenance["tool"],
+        **({"draft": {"architecture": m.draft.architecture, "quantization": m.draft.quantization,
+                      "bytes": sum(t.nbytes or 0 for t in m.draft.tensors.values())}} if m.draft is not None else {}),
     }
 
 

@@ -141,7 +141,7 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             report.timeline.add_details("mapped", ranks=rank_loads)  # every rank's own pull and map
         timeline.take(report.timeline)  # the load's phases (manifest ... mapped, kernels, graphs), at their times
         assert report.manifest is not None  # load_with_report always sets it
-        manifest = report.manifest.data
+        manifest = report.manifest.view()
         engine = llm.engine
         summary = engine.summary()
         model = ServedModel(
@@ -151,9 +151,9 @@ def load_snapshot(state: ServeState, store: str | None, cache: str | Path | None
             vocab_size=engine.config.vocab_size,
             max_model_len=summary["max_model_len"],
             kv_cache_tokens=summary["kv_cache_tokens"],
-            prefixes={p["name"]: Prefix(p["name"], p["kind"], list(p["token_ids"])) for p in manifest["prefixes"]},
+            prefixes={p.name: Prefix(p.name, p.kind, list(p.token_ids)) for p in manifest.prefixes},
             adapters={**{name: a.num_tokens for name, a in engine.adapters.items()},
-                      **{lora["name"]: 0 for lora in manifest.get("loras", [])}},
+                      **{lora.name: 0 for lora in manifest.loras}},
             select_adapter=engine.inputs.select_adapter if summary["adapter_selector"] else None,
             kv_room=engine.inputs.kv_room,
             sampling_defaults=dict(engine.generation_defaults.sampling),

@@ -26,6 +26,7 @@ from warmstart.snapshot.cache import BlobCache
 from warmstart.snapshot.device_copy import BlobCopier
 from warmstart.snapshot.format import Manifest
 from warmstart.snapshot.loader import SnapshotError, load_with_report
+from warmstart.snapshot.manifest_view import ManifestView
 from warmstart.snapshot.stores import open_store
 from warmstart.snapshot.transfer import pull_blobs
 
@@ -201,7 +202,7 @@ def test_a_missing_gpu_is_refused_before_the_store_is_opened(monkeypatch: pytest
 
 
 def test_nf4_is_refused_off_the_cpu_and_weights_that_do_not_fit_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    view = {"quantized": {"layers.0.qkv": {"scheme": "int8"}, "layers.0.down": {"scheme": "nf4"}}}
+    view = ManifestView({"quantized": {"layers.0.qkv": {"scheme": "int8"}, "layers.0.down": {"scheme": "nf4"}}})
     loader._check_runs_on(view, torch.device("cpu"), "3f2a")
     with pytest.raises(SnapshotError, match=r"snapshot 3f2a is quantized nf4, which has no kernel on cuda:0; serve "
                                             r"it on the CPU \(--device cpu\), or rebuild it with --quant int8 or int4"):

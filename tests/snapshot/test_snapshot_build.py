@@ -120,10 +120,10 @@ def test_weights_are_views_of_the_mapped_blobs(tiny_model_dir, tmp_path: Path) -
     llm = load_mod.load(built.id, store=store, cache=tmp_path / "c", num_kv_blocks=16)
     weights = llm.engine.runner.model.weights
     cache = BlobCache(tmp_path / "c")
-    layer0 = built.manifest.data["tensors"]["layers.0.qkv"]
-    mapped = load_mod.map_blob(cache.path(layer0["blob"]))
+    layer0 = built.manifest.view().tensors["layers.0.qkv"]
+    mapped = load_mod.map_blob(cache.path(layer0.blob))
     assert weights.layers[0].qkv.equal(load_mod.tensor_view(mapped, layer0))
-    assert weights.layers[0].qkv.untyped_storage().nbytes() == built.manifest.data["blobs"][layer0["blob"]]
+    assert weights.layers[0].qkv.untyped_storage().nbytes() == built.manifest.data["blobs"][layer0.blob]
 
 
 def test_kv_from_another_engine_version_is_refused(tiny_model_dir, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
