@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from warmstart.runtime.engine.dtype_choice import AUTO
 from warmstart.runtime.engine.engine import LLMEngine
-from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.options import AUTO, EngineOptions
 from warmstart.runtime.engine.tensor_parallel import TensorParallelError, check_shardable, shard_kv
 from warmstart.runtime.models.config import ModelConfig
 from warmstart.runtime.models.model import Model
@@ -47,7 +46,7 @@ class BuildOptions:
     quant: str = "none"
     group_size: int | None = None  # None: the largest that fits every layer (runtime.quant.formats decides)
     dtype: str = "auto"  # stores bfloat16, which every CPU kind serves (runtime/engine/dtype_choice.py)
-    block_size: int = 16
+    block_size: int = EngineOptions.block_size
     prefixes: list[PrefixSpec] = field(default_factory=list)
     adapters: list[AdapterSpec] = field(default_factory=list)  # PEFT prompt-learning adapters
     adapter_examples: list[AdapterSpec] = field(default_factory=list)  # example queries per adapter, for "auto"

@@ -21,7 +21,9 @@ def test_serving_imports_neither_torch_nor_transformers_before_it_listens() -> N
     modules = imported_after("import warmstart.handlers.cli.main, warmstart.handlers.server.app, "
                              "warmstart.handlers.cli.serve, warmstart.handlers.server.state, starlette, uvicorn")
     assert "torch" not in modules
-    # of the engine's package only its light timeline, which the server marks its phases into
+    # of the engine's package only what imports no torch: the timeline the server marks its phases into, and the
+    # engine's options, whose defaults the flags show
     engine_side = {m for m in modules if m.startswith("warmstart.runtime")}
-    assert engine_side == {"warmstart.runtime", "warmstart.runtime.timeline"}
+    assert engine_side == {"warmstart.runtime", "warmstart.runtime.timeline", "warmstart.runtime.engine",
+                           "warmstart.runtime.engine.options"}
     assert not {m for m in modules if m.split(".")[0] in ("transformers", "peft")}

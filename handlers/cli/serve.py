@@ -28,6 +28,7 @@ from warmstart.handlers.openai.reasoning import PARSERS as REASONING_PARSERS
 from warmstart.handlers.openai.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from warmstart.handlers.server import kv_tier_options
 from warmstart.handlers.server.timeline import cold_start_timeline, print_json_line
+from warmstart.runtime.engine.options import EngineOptions
 from warmstart.runtime.timeline import Timeline
 
 
@@ -56,22 +57,25 @@ def add_command(sub: Any) -> None:
                              "cuda:N; a GPU runs the Triton kernels and CUDA graphs (default auto)")
     engine.add_argument("--gpu-memory-utilization", type=fraction,
                         help="on a GPU: the fraction of its memory this server may use, weights, activations and KV "
-                             "pool together, as in vLLM (default 0.9)")
-    engine.add_argument("--max-num-seqs", type=positive_int, help="requests run at once (default 64)")
-    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default 2048)")
+                             f"pool together, as in vLLM (default {EngineOptions.gpu_memory_utilization:g})")
+    engine.add_argument("--max-num-seqs", type=positive_int,
+                        help=f"requests run at once (default {EngineOptions.max_num_seqs})")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int,
+                        help=f"tokens per step (default {EngineOptions.max_num_batched_tokens})")
     engine.add_argument("--num-kv-blocks", type=positive_int, help="KV pool size (default: from free memory)")
     engine.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
     engine.add_argument("--speculative", choices=("ngram", "draft"),
                         help="speculative decoding: ngram (prompt lookup) or draft (the snapshot's draft model, "
                              "built with --draft); default off")
     engine.add_argument("--num-speculative-tokens", type=positive_int,
-                        help="tokens proposed and verified per step and sequence (default 4)")
+                        help=f"tokens proposed and verified per step and sequence "
+                             f"(default {EngineOptions.num_speculative_tokens})")
     engine.add_argument("--max-loras", type=positive_int,
                         help="LoRA adapters resident at once; others are paged in when a request needs one, least "
-                             "recently used out (default: the engine's)")
+                             f"recently used out (default {EngineOptions.max_loras})")
     engine.add_argument("--max-lora-rank", type=positive_int,
-                        help="the largest LoRA rank served; an adapter of a higher rank is refused (default: the "
-                             "engine's)")
+                        help="the largest LoRA rank served; an adapter of a higher rank is refused "
+                             f"(default {EngineOptions.max_lora_rank})")
     engine.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
                         help="ranks the model is split across (the snapshot must be built for N); on one machine "
                              "this process is rank 0 and starts the others; under torchrun, one per process")

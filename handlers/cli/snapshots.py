@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from warmstart.handlers.errors import CliError, positive_int
 from warmstart.handlers.server.manifest_summary import adapter_summaries, lora_summaries, selector_summary
+from warmstart.runtime.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from warmstart.snapshot.format import Manifest
@@ -47,7 +48,8 @@ def add_commands(sub: Any) -> None:
     build.add_argument("--dtype", default="auto",
                        help="auto | bfloat16 | float16 | float32 (default auto: bfloat16, which serves on every "
                        "CPU kind)")
-    build.add_argument("--block-size", type=positive_int, default=16, help="KV block size the engine will use")
+    build.add_argument("--block-size", type=positive_int, default=EngineOptions.block_size,
+                       help=f"KV block size the engine will use (default {EngineOptions.block_size})")
     build.add_argument("--draft", type=Path, metavar="DRAFT_DIR",
                        help="a draft model (same tokenizer) for `serve --speculative draft`, stored as its own blobs")
     build.add_argument("--draft-quant", default="none", help="the draft's quantization: none | int8 | int4 | nf4")

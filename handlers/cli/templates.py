@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from warmstart.handlers.errors import CliError, non_negative_int, positive_int
+from warmstart.runtime.engine.options import EngineOptions
 
 PORT = 8080
 PYTHON_VERSION = "3.11"  # of the images: the version the project is tested with
@@ -91,9 +92,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--namespace", help="knative, kserve: the Kubernetes namespace (default: kubectl's)")
     p.add_argument("--region", help="cloud region (cloudrun: us-central1, aws: us-east-1)")
     p.add_argument("--role-arn", help="kserve: the IAM role the predictor's service account assumes (IRSA)")
-    p.add_argument("--concurrency", type=positive_int, default=64,
+    p.add_argument("--concurrency", type=positive_int, default=EngineOptions.max_num_seqs,
                    help="requests one instance runs at once: the engine's --max-num-seqs and the platform's "
-                        "container concurrency (default 64)")
+                        f"container concurrency (default {EngineOptions.max_num_seqs})")
     p.add_argument("--bake", action="store_true",
                    help="image platforms: pull the snapshot into the image at build time instead of at cold start")
     p.add_argument("--keep-ref", action="store_true",

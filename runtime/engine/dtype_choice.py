@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from warmstart.runtime.engine.options import AUTO
 from warmstart.runtime.kernels import isa
 from warmstart.runtime.layers.linear import packing_dtype
 from warmstart.runtime.models.weights import DTYPES
 
-AUTO = "auto"
 SNAPSHOT_DTYPE = "bfloat16"  # what `warmstart build --dtype auto` stores: portable to every CPU kind
 
 

@@ -22,13 +22,13 @@ from warmstart.runtime.engine.adapters import AdapterSelector, VirtualPrefix
 from warmstart.runtime.engine.admission import Admission
 from warmstart.runtime.engine.block_manager import BlockManager, block_hashes
 from warmstart.runtime.engine.device import resolve_device
-from warmstart.runtime.engine.dtype_choice import AUTO, cpu_path, resolve_dtype
+from warmstart.runtime.engine.dtype_choice import cpu_path, resolve_dtype
 from warmstart.runtime.engine.input_processor import InputProcessor, Prompt
 from warmstart.runtime.engine.kv_sizing import check_pool_holds_pinned, kv_blocks_for_memory
 from warmstart.runtime.engine.kv_tier import KVTier
 from warmstart.runtime.engine.lora import LoraManager, LoraWeights
 from warmstart.runtime.engine.model_runner import ModelRunner, StepInputs
-from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.options import AUTO, EngineOptions
 from warmstart.runtime.engine.output_processor import NewTokens, OutputProcessor
 from warmstart.runtime.engine.pinned_prefixes import PinnedPrefixes
 from warmstart.runtime.engine.scheduler import ScheduledBatch, Scheduler

@@ -9,8 +9,7 @@ import torch
 
 from warmstart.runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES
 from warmstart.runtime.engine.device import cuda_memory
-from warmstart.runtime.engine.dtype_choice import AUTO
-from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.engine.options import AUTO, EngineOptions
 from warmstart.runtime.models.config import ModelConfig
 from warmstart.runtime.models.weights import DTYPES
 

@@ -1,14 +1,17 @@
-"""What an engine is started with: the options a server's flags and LLM's keywords set, checked in one place."""
+"""What an engine is started with: the options a server's flags and LLM's keywords set, checked in one place.
+
+The defaults are here only: the CLI's flags and help read them from this class, which imports no torch (the serve
+command builds its parser before it listens)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from warmstart.runtime.engine.dtype_choice import AUTO
-from warmstart.runtime.models.config import ModelConfig
-from warmstart.runtime.models.weights import DTYPES
+if TYPE_CHECKING:
+    from warmstart.runtime.models.config import ModelConfig
 
+AUTO = "auto"  # the dtype chosen for the device (runtime/engine/dtype_choice.py)
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 
@@ -52,6 +55,8 @@ class EngineOptions:
         return min(self.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
 
     def validate(self) -> None:
+        from warmstart.runtime.models.weights import DTYPES
+
         if self.dtype not in (AUTO, *DTYPES):
             raise ValueError(f"dtype must be one of {AUTO}, {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):

@@ -3,6 +3,7 @@ here, refused naming the command that takes them otherwise, and `warmstart --ver
 
 from __future__ import annotations
 
+import re
 import subprocess
 from importlib.metadata import version
 
@@ -13,6 +14,7 @@ from tests.support.serving import REPO
 from warmstart.handlers.cli.main import build_parser
 from warmstart.handlers.cli.vllm_flags import snapshot_ref
 from warmstart.handlers.errors import CliError
+from warmstart.runtime.engine.options import EngineOptions
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
@@ -53,3 +55,19 @@ def test_version() -> None:
                           cwd=REPO, timeout=60)  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, f"warmstart {version('warmstart')}")
 
+
+
+def test_the_engine_flags_show_the_engine_s_own_defaults(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """One place for the defaults (EngineOptions): the help says what an engine started without the flag gets,
+    whatever that is."""
+    shown = {"max_num_seqs": 77, "max_num_batched_tokens": 3001, "max_loras": 5, "max_lora_rank": 33,
+             "num_speculative_tokens": 6}
+    for name, value in shown.items():
+        monkeypatch.setattr(EngineOptions, name, value)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, value in shown.items():
+        flag = "--" + name.replace("_", "-")
+        assert re.search(rf"{flag} \S+ [^-]*\(default {value}\)", text), flag
