@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,24 @@ def test_build_of_a_path_that_is_no_directory_says_so_before_importing_torch(tmp
                           capture_output=True, text=True, cwd=repo, timeout=60)  # fmt: skip
     assert done.stdout.split() == ["1", "False"], done.stdout + done.stderr
     assert "is not a directory" in done.stderr and "huggingface-cli download" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["build", "serve"])
+def test_an_unsupported_architecture_is_one_line_before_any_work(tiny_model_dir, tmp_path: Path, command: str,
+                                                                  env: dict[str, str]) -> None:  # fmt: skip
+    """The architecture is read first: one line naming the ones warmstart runs, and nothing converted or stored."""
+    from warmstart.runtime.models.config import SUPPORTED_ARCHITECTURES
+
+    model = tmp_path / "gemma"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma2ForCausalLM"],
+                                                   "model_type": "gemma2"}))
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    proc = warmstart(command, str(model), "--store", str(store), "--cache", str(cache), "--port", "0", env=env) \
+        if command == "serve" else warmstart(command, str(model), "--store", str(store), env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("warmstart: error:") and "Gemma2ForCausalLM" in line and "not supported" in line
+    assert all(arch in line for arch in SUPPORTED_ARCHITECTURES)
+    assert not list(store.rglob("*.msgpack")) and not list(store.glob("blobs/*"))
