@@ -20,7 +20,9 @@ from warmstart.handlers.openai.tool_calls import (
     MISTRAL_MARKER,
     ToolFieldError,
     ToolRequest,
+    forced_text,
     history_tool_calls,
+    parser_for_template,
     tool_request,
 )
 
@@ -224,7 +226,7 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
                   "prompt_logprobs")
     adapter = _adapter(b, model)
     prefix = _prefix(b, model)
-    messages = _messages(b.raw.get("messages"))
+    messages = _history_in_forced_form(_messages(b.raw.get("messages")), model)
     tools = _tools(b, model)
     template_kwargs = _template_kwargs(b)
     if tools is not None:
@@ -243,6 +245,17 @@ def parse_chat(body: Any, model: ServedModel) -> Generation:
     if tools is not None:
         _use_tools(gen, tools)
     return gen
+
+
+def _history_in_forced_form(messages: list[dict[str, Any]], model: ServedModel) -> list[dict[str, Any]]:
+    """Where no tool-call format is known (the template shows none and no --tool-call-parser names one), an earlier
+    assistant turn's calls are written into its content as the forced calls were (tool_calls.FORCED): a template
+    that ignores tool_calls would otherwise show the model an empty turn before the tool's result."""
+    template = model.tokenizer.chat_template if model.tokenizer is not None else None
+    if model.tool_call_parser is not None or parser_for_template(template) is not None:
+        return messages
+    return [{**m, "content": forced_text(m["tool_calls"])} if m.get("tool_calls") and not m["content"] else m
+            for m in messages]
 
 
 def _tools(b: Body, model: ServedModel) -> ToolRequest | None:

@@ -11,7 +11,10 @@
 
 ``tool_choice`` "required" or a named function is enforced with ``call_grammar``: a Lark grammar (llguidance's
 dialect, whose ``%json`` embeds a JSON schema) that admits only calls of the offered functions with arguments
-valid against their parameters' schemas, so the arguments always parse.
+valid against their parameters' schemas, so the arguments always parse. Where the model's chat template shows
+no format (and no --tool-call-parser names one) the forced calls take FORCED's, as vLLM forces them through
+structured outputs: the whole reply is a JSON array of ``{"name": ..., "parameters": {...}}``; so they work on
+every model, and the calls go back into the next turn's prompt in that form.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PARSERS = ("hermes", "llama3_json", "mistral")
+FORCED = "json"  # forced calls where no format is known: the reply is [{"name": ..., "parameters": {...}}, ...]
 # The calls' JSON as structured outputs write it (runtime/engine/structured.py): fixed separators, no other
 # whitespace, so a small model cannot loop on spaces inside a forced call.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -70,6 +74,8 @@ def parse_tool_calls(parser: str, text: str) -> ParsedReply:
         return _llama3(text)
     if parser == "mistral":
         return _mistral(text)
+    if parser == FORCED:
+        return _forced(text)
     raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
 
 
@@ -121,6 +127,21 @@ def _llama3(text: str) -> ParsedReply:
         while at < len(body) and body[at] in " \n\t;":
             at += 1
     return ParsedReply(None, calls)
+
+
+def _forced(text: str) -> ParsedReply:
+    listed = _json(text.strip())
+    calls = [_call(o, "parameters") for o in listed] if isinstance(listed, list) and listed else [None]
+    if any(c is None for c in calls):
+        return ParsedReply(text, [])
+    return ParsedReply(None, [c for c in calls if c is not None])
+
+
+def forced_text(calls: list[dict[str, Any]]) -> str:
+    """Calls from a request's history (see history_tool_calls) as FORCED writes them: how a model whose template
+    shows no tool-call format sees its own calls in the next turn."""
+    return json.dumps([{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls],
+                      ensure_ascii=False)
 
 
 MISTRAL_MARKER = "[TOOL_CALLS]"
@@ -199,6 +220,11 @@ def call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None = No
         # llguidance names a special token by id, <[id]>: its <name> form takes only angle-bracketed names.
         marker = json.dumps(MISTRAL_MARKER) if mistral_token_id is None else f"<[{mistral_token_id}]>"
         return f"start: {marker} %json {json.dumps({**calls, 'x-guidance': COMPACT_JSON})}"
+    if parser == FORCED:
+        forced: dict[str, Any] = {"type": "array", "items": call_schema(tools, name, "parameters"), "minItems": 1}
+        if not many:
+            forced["maxItems"] = 1
+        return f"start: %json {json.dumps({**forced, 'x-guidance': COMPACT_JSON})}"
     raise ValueError(f"tool_choice 'required' or a named function is not enforced for the {parser!r} format; "
                      "use tool_choice 'auto'")
 
@@ -245,11 +271,15 @@ def tool_request(raw: dict[str, Any], template: str | None, parser: str | None,
     if choice == "none":
         return ToolRequest(tools, None, None)
     parser = parser or parser_for_template(template)
-    if parser is None:
-        raise ToolFieldError("this model's chat template shows no tool-call format this server can read; start the "
-                             f"server with --tool-call-parser ({', '.join(PARSERS)})", "tools")
+    forced = choice == "required" or named is not None
+    if parser is None and not forced:
+        raise ToolFieldError("with tool_choice auto the model's calls are read in its own format, and this model's "
+                             "chat template shows none this server can read; start the server with "
+                             f"--tool-call-parser ({', '.join(PARSERS)}), or send tool_choice \"required\" or a named "
+                             "function, which work with every model", "tools")
+    parser = parser or FORCED
     grammar = None
-    if choice == "required" or named is not None:
+    if forced:
         try:
             grammar = call_grammar(parser, tools, named, parallel, mistral_token_id)
         except ValueError as e:
@@ -293,7 +323,7 @@ class ToolCallStream:
     could still become the format's marker is held back); the calls go out whole, parsed, when the reply ends.
     The deltas add up to what ``parse_tool_calls`` makes of the whole reply."""
 
-    MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{"}
+    MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{", FORCED: "["}
 
     def __init__(self, parser: str) -> None:
         self.parser = parser
@@ -312,9 +342,9 @@ class ToolCallStream:
             out["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(reply.tool_calls)]
             return out
         marker = self.MARKERS[self.parser]
-        if self.parser == "llama3_json":  # the whole reply is the call: decided by its first character
+        if self.parser in ("llama3_json", FORCED):  # the whole reply is the calls: decided by its first character
             stripped = self.text.lstrip()
-            if stripped.startswith(("{", "<|python_tag|>")) or not stripped:
+            if stripped.startswith((marker, "<|python_tag|>")) or not stripped:
                 return {}
             return self._content(len(self.text), final=True)
         at = self.text.find(marker)

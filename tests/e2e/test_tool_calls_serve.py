@@ -119,3 +119,61 @@ def test_tool_call_parser_flag_reads_calls_under_a_template_without_a_format(tin
         check_call(choice.message.tool_calls[0])
     finally:
         assert server.stop() == 0
+
+
+# -- a template that shows no tool-call format, no --tool-call-parser -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("plain")
+    server = ServerProcess(build_tiny_snapshot(tiny_model_dir("llama"), root), "--num-kv-blocks", "512",
+                           "--max-model-len", "1024")  # its ChatML template renders role and content only
+    server.wait_for("ready")
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert server.stop() == 0
+
+
+def test_forced_calls_work_without_a_format(plain: openai.OpenAI) -> None:
+    """As vLLM forces them through structured outputs: required and a named function work on every model."""
+    for seed in range(2):
+        choice = ask(plain, tool_choice="required", seed=seed).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call)
+    named = ask(plain, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
+    assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
+    check_call(named.message.tool_calls[0])
+    single = ask(plain, tool_choice="required", parallel_tool_calls=False, seed=3).choices[0]
+    assert len(single.message.tool_calls) == 1
+
+
+def test_forced_calls_stream_as_the_whole_response_gives_them(plain: openai.OpenAI) -> None:
+    whole = ask(plain, tool_choice="required", seed=5).choices[0]
+    chunks = list(ask(plain, tool_choice="required", seed=5, stream=True))
+    streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole.message.tool_calls)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_format_says_what_works(plain: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(plain, tool_choice="auto")
+    assert "--tool-call-parser" in caught.value.message and 'tool_choice "required"' in caught.value.message
+
+
+def test_the_next_turn_takes_the_tool_result_and_shows_the_call(plain: openai.OpenAI) -> None:
+    first = ask(plain, tool_choice="required", parallel_tool_calls=False).choices[0].message
+    call = first.tool_calls[0]
+    result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}
+    with_call = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}, result]
+    second = ask(plain, messages=with_call, tool_choice="none", max_tokens=10)
+    assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
+    # The template ignores tool_calls: the call is written into the assistant's turn, as it was forced.
+    empty = ask(plain, messages=[*MESSAGES, {"role": "assistant", "content": ""}, result], tool_choice="none",
+                max_tokens=1)
+    forced = json.dumps([{"name": call.function.name, "parameters": json.loads(call.function.arguments)}])
+    assert second.usage.prompt_tokens > empty.usage.prompt_tokens + len(forced) // 8

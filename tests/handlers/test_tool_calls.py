@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from warmstart.handlers.openai.tool_calls import call_grammar, parse_tool_calls, parser_for_template
+from warmstart.handlers.openai.tool_calls import FORCED, call_grammar, parse_tool_calls, parser_for_template
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -53,6 +53,8 @@ def test_mistral_array_and_v11_formats() -> None:
     ("llama3_json", "The answer is {42}."),
     ("llama3_json", '{"no_name": 1}'),
     ("mistral", "[TOOL_CALLS][{broken"),
+    ("json", '[{"name": "get_time", "parameters": {"zone": "UTC"}'),
+    ("json", "[]"),
 ])  # fmt: skip
 def test_text_that_is_not_a_well_formed_call_stays_content(parser: str, text: str) -> None:
     reply = parse_tool_calls(parser, text)
@@ -73,6 +75,9 @@ def test_parser_chosen_from_the_template() -> None:
      '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'),  # city is required
     ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}',
      '{"name": "set_alarm", "parameters": {}}'),  # not an offered function
+    ("json", '[{"name": "get_weather", "parameters": {"city": "Lima", "unit": "f"}}, '
+             '{"name": "get_time", "parameters": {"zone": "UTC"}}]',
+     '[{"name": "get_weather", "parameters": {"unit": "c"}}]'),  # city is required
 ])  # fmt: skip
 def test_call_grammar_admits_valid_calls_only(tiny_model_dir, parser: str, good: str, bad: str) -> None:  # type: ignore[no-untyped-def]
     import llguidance
@@ -146,6 +151,7 @@ def test_mistral_grammar_begins_with_the_special_token(mistral_tokenizer: tuple[
     ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
     ("llama3_json", "Plain words."),
     ("mistral", 'Ok [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+    ("json", '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_time", "parameters": {}}]'),
 ])  # fmt: skip
 @pytest.mark.parametrize("cut", [1, 2, 3, 7])
 def test_streamed_deltas_add_up_to_the_whole_reply(parser: str, text: str, cut: int) -> None:
@@ -166,8 +172,11 @@ def test_a_template_without_a_known_format_needs_the_flag() -> None:
     from warmstart.handlers.openai.tool_calls import ToolFieldError, tool_request
 
     body = {"tools": [WEATHER], "tool_choice": "auto"}
-    with pytest.raises(ToolFieldError, match="--tool-call-parser"):
+    with pytest.raises(ToolFieldError, match=r"--tool-call-parser .* or send tool_choice \"required\" or a named"):
         tool_request(body, "{{ messages }}", None)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        forced = tool_request({**body, "tool_choice": choice}, "{{ messages }}", None)
+        assert forced is not None and forced.parser == FORCED and forced.grammar is not None
     request = tool_request(body, "{{ messages }}", "hermes")
     assert request is not None and request.parser == "hermes" and request.grammar is None
     assert tool_request({"tools": [WEATHER], "tool_choice": "none"}, "{{ messages }}", None).parser is None  # type: ignore[union-attr]
