@@ -373,3 +373,15 @@ def test_text_far_too_long_for_the_context_is_refused_by_its_length(snap: TinySn
         chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 400}]})
         assert chat.status_code == 400 and error_of(chat)["code"] == "context_length_exceeded"
     short.shutdown()
+
+
+def test_json_cut_by_max_tokens_ends_with_length(client: TestClient) -> None:
+    """A model that does not close its JSON (here a string the schema wants long) runs to max_tokens: the reply is
+    not JSON and finish_reason says length (as vLLM); only one that ends with stop is promised to parse."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 64}}, "required": ["s"]}
+    body = chat(None, max_tokens=6, ignore_eos=False,
+                response_format={"type": "json_schema", "json_schema": {"name": "long", "schema": schema}})
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"s": "')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice["message"]["content"])
