@@ -54,13 +54,6 @@ class Timeline:
             if phase != other.origin:
                 self.mark(phase, at=when, **other.details.get(phase, {}))
 
-    def __contains__(self, phase: str) -> bool:
-        return phase in self.marks
-
-    def seconds(self, phase: str) -> float:
-        """When ``phase`` ended, in seconds since the origin."""
-        return self.marks[phase] - self.start
-
     def between(self, first: str, then: str) -> float:
         return self.marks[then] - self.marks[first]
 
