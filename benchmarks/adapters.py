@@ -1,7 +1,7 @@
 """Adapters compiled into prefix KV: a batch mixing 8 adapters against one adapter and against peft, and the
 time to first token behind an adapter against the base model with no prefix.
 
-    python benchmarks/adapters.py [--requests 32] [--prompt-tokens 64] [--max-tokens 32] [--rounds 3] [--json]
+    python -m benchmarks.adapters [--requests 32] [--prompt-tokens 64] [--max-tokens 32] [--rounds 3] [--json OUT]
 
 The model is the SmolLM2-135M shape (random weights, bf16). Eight PEFT adapters (prompt tuning, P-tuning and
 prefix tuning with and without the projection; 12 to 40 virtual tokens) are saved by peft and compiled into
@@ -19,20 +19,16 @@ work than serving the adapters correctly would: the ratio against it is a lower 
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import random
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir as bench_model_dir
+from benchmarks.workloads import SHARED_BENCH
 
 # name -> (peft config class, options)
 ADAPTERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -108,16 +104,14 @@ def ttft(llm: Any, prompt: list[int], adapter: str | None) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=3, warmup=0)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ttft-reps", type=int, default=9)
     ap.add_argument("--no-peft", action="store_true", help="skip the peft baseline")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     import torch
 
@@ -146,10 +140,9 @@ def main() -> None:
         if llm.engine.prepack_thread is not None:
             llm.engine.prepack_thread.join()
         run_ours(llm, prompts[:4], mixed[:4], 2)  # warm-up
-        rates: dict[str, list[float]] = {"mixed": [], "one": [], "none": []}
-        for _ in range(args.rounds):
-            for key, adapters in (("mixed", mixed), ("one", one), ("none", none)):
-                rates[key].append(run_ours(llm, prompts, adapters, args.max_tokens))
+        arms = {"mixed": mixed, "one": one, "none": none}
+        rates = harness.alternate({key: functools.partial(run_ours, llm, prompts, adapters, args.max_tokens)
+                                   for key, adapters in arms.items()}, args.rounds, args.warmup)  # fmt: skip
         base_ttft, adapter_ttft = [], []
         for i in range(args.ttft_reps):  # a fresh prompt each time, so neither side hits the prefix cache
             probe = [rng.randrange(16, vocab - 16) for _ in range(args.prompt_tokens)]
@@ -157,24 +150,21 @@ def main() -> None:
             adapter_ttft.append(ttft(llm, probe, names[i % len(names)]))
         del llm
         peft_rate = None if args.no_peft else run_peft(model, paths, prompts, args.max_tokens)
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = harness.medians(rates)
     result = {
         "model": args.config.stem, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
         "tok_s_mixed_8": med["mixed"], "tok_s_one_adapter": med["one"], "tok_s_no_adapter": med["none"],
-        "mixed_over_one": med["mixed"] / med["one"], "tok_s_peft": peft_rate,
+        "mixed_over_one": harness.ratio(rates["mixed"], rates["one"]), "tok_s_peft": peft_rate,
         "mixed_over_peft": med["mixed"] / peft_rate if peft_rate else None,
-        "ttft_base_s": statistics.median(base_ttft), "ttft_adapter_s": statistics.median(adapter_ttft),
-        "ttft_adapter_over_base": statistics.median(adapter_ttft) / statistics.median(base_ttft),
+        "ttft_base_s": harness.median(base_ttft), "ttft_adapter_s": harness.median(adapter_ttft),
+        "ttft_adapter_over_base": harness.median(adapter_ttft) / harness.median(base_ttft),
     }
-    if args.json:
-        print(json.dumps(result))
-        return
     print(f"{args.requests} requests of {args.prompt_tokens} prompt tokens, {args.max_tokens} generated each, "
           f"{args.config.stem} (random bf16), medians of {args.rounds} rounds")
     print(f"  warmstart, 8 adapters mixed in one batch: {med['mixed']:8.1f} tok/s")
     print(f"  warmstart, one adapter for all:           {med['one']:8.1f} tok/s   "
-          f"mixed/one = {med['mixed'] / med['one']:.3f} (goal >= 0.90)")
+          f"mixed/one = {harness.ratio_text(result['mixed_over_one'])} (goal >= 0.90)")
     print(f"  warmstart, no adapter:                    {med['none']:8.1f} tok/s")
     if peft_rate:
         print(f"  peft, one adapter at a time:              {peft_rate:8.1f} tok/s   "
@@ -183,6 +173,7 @@ def main() -> None:
           f"no adapter {result['ttft_base_s'] * 1e3:.1f} ms, "
           f"behind an adapter {result['ttft_adapter_s'] * 1e3:.1f} ms, "
           f"ratio {result['ttft_adapter_over_base']:.3f} (goal <= 1.10)")
+    harness.report(args, result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Served under vLLM's own load tester: `vllm bench serve` against `warmstart serve` and
 `vllm serve` on the same model, one server at a time, side by side in one run.
 
-    python benchmarks/bench_serve.py [--rounds 3] [--workloads random prefix] [--systems warmstart vllm]
+    python -m benchmarks.bench_serve [--rounds 3] [--workloads random prefix] [--systems warmstart vllm]
                                      [--num-prompts N] [--seed 0] [--model-dir DIR] [--json OUT] [--keep DIR]
 
 Model: the real SmolLM2-135M-Instruct in bfloat16 (`warmstart prepare-model smollm2` puts it in
@@ -45,10 +45,8 @@ start).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,11 +57,10 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cold_start import free_port, stop  # noqa: E402
-from benchmarks.kv_tier import PREPARED, build  # noqa: E402
-from benchmarks.workloads import REPO  # noqa: E402
+from benchmarks import harness
+from benchmarks.cold_start import free_port, stop
+from benchmarks.kv_tier import PREPARED, build
+from benchmarks.workloads import REPO
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/work/peers/vllm/.venv"))
 SERVED_NAME = "smollm2"
@@ -118,7 +115,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, float]:
     names = (*METRICS, *COUNTS, "prefix_hit_tokens")
-    return {name: statistics.median(r[name] for r in rows) for name in names if all(name in r for r in rows)}
+    return {name: harness.median(r[name] for r in rows) for name in names if all(name in r for r in rows)}
 
 
 def round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, list[float]]:
@@ -165,7 +162,7 @@ def report_workload(workload: Workload, num_prompts: int, rounds: list[dict[str,
     ratios = round_ratios(rounds)
     return {"workload": workload.name, "what": workload.describe(), "num_prompts": num_prompts, "rounds": rounds,
             "medians": per_system,
-            "ratios": {name: {"per_round": values, "median": statistics.median(values)}
+            "ratios": {name: {"per_round": values, "median": harness.median(values)}
                        for name, values in ratios.items() if values}}
 
 
@@ -306,17 +303,15 @@ def run_round(index: int, systems: list[str], workloads: list[Workload], num_pro
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     ap.add_argument("--num-prompts", type=int, help="prompts per workload (default: each workload's, 48)")
     ap.add_argument("--seed", type=int, default=0, help="the tester's seed: the same prompts for every server")
     ap.add_argument("--model-dir", type=Path, default=PREPARED)
-    ap.add_argument("--json", type=Path, metavar="OUT", help="also write the rounds, medians and ratios here")
     ap.add_argument("--keep", type=Path, metavar="DIR",
                     help="work in DIR and leave it (snapshot, servers' and tester's logs, result JSONs)")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     if not (args.model_dir / "config.json").is_file():
         raise SystemExit(f"no model at {args.model_dir}: run `warmstart prepare-model smollm2` (or pass --model-dir)")
@@ -342,9 +337,8 @@ def main() -> None:
         print("\n" + format_table(report))
     for line in bad:
         print(f"NOT VALID: {line}")
-    if args.json:
-        args.json.write_text(json.dumps({"model": str(args.model_dir), "seed": args.seed, "systems": args.systems,
-                                         "workloads": reports, "problems": bad}, indent=1))
+    harness.report(args, {"model": str(args.model_dir), "seed": args.seed, "systems": args.systems,
+                          "workloads": reports, "problems": bad})
     if bad:
         raise SystemExit(1)
 

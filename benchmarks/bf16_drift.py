@@ -1,7 +1,7 @@
 """How far bfloat16 logits drift from float32, ours and transformers' side by side: whether a greedy difference
 between two bfloat16 runs is rounding or a defect.
 
-    python benchmarks/bf16_drift.py [--model smollm2-135m] [--device cuda] [--lens 7,60,200,400]
+    python -m benchmarks.bf16_drift [--model smollm2-135m] [--device cuda] [--lens 7,60,200,400]
 
 For each prompt (random token ids, seed 0) it computes the last position's logits four ways on one device:
 transformers in float32 (the reference: the model's weights are bfloat16 values, so float32 holds them
@@ -14,20 +14,18 @@ runs it as its bf16_drift section, with ``verdict``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+from benchmarks.gpu_check import bench_model_dir, engine_on
+from warmstart.runtime.engine.model_runner import Chunk
 
-from benchmarks.gpu_check import bench_model_dir, engine_on  # noqa: E402
-from warmstart.runtime.engine.model_runner import Chunk  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK_SIZE = 16
 
@@ -90,11 +88,11 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.arguments(__doc__, rounds=None)
     parser.add_argument("--model", default="smollm2-135m", help="a config in benchmarks/models/")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lens", default="7,60,200,400", help="prompt lengths, comma-separated")
-    args = parser.parse_args()
+    args = harness.parse(parser)
     device = torch.device(args.device)
     rows = drift(bench_model_dir(args.model), device, [int(n) for n in args.lens.split(",")])
     print(f"bf16 drift from transformers float32, {args.model} (random weights), {device}")
@@ -106,7 +104,7 @@ def main() -> None:
     v = verdict(rows)
     print(f"ours bf16 drifts {v['drift_ratio']:.2f}x as far as transformers bf16; ours fp32 within "
           f"{v['ours_fp32_max_diff']:.1e}: {'ok' if v['matches'] else 'DEFECT'}")
-    print(json.dumps(rows))
+    harness.report(args, {"model": args.model, "device": str(device), "rows": rows, "verdict": v})
 
 
 if __name__ == "__main__":

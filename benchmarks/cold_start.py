@@ -1,7 +1,7 @@
 """Cold start: from spawning a server process to the first token of a chat request behind a long system prompt.
 
-    python benchmarks/cold_start.py [--models smollm2-135m qwen2.5-0.5b] [--rounds 3] [--json]
-    python benchmarks/cold_start.py --models smollm2-135m --loras 8 --systems warmstart   # LoRA adapters
+    python -m benchmarks.cold_start [--models smollm2-135m qwen2.5-0.5b] [--rounds 3] [--json OUT]
+    python -m benchmarks.cold_start --models smollm2-135m --loras 8 --systems warmstart   # LoRA adapters
 
 The `cold-start` workload of ../shared/bench/workloads.json: a ~2,048-token system prompt, a 32-token user
 message, one request on a process that has just started. Per model (random weights, bf16), alternating, a
@@ -28,13 +28,11 @@ Qwen2.5-0.5B.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,10 +41,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
-from benchmarks.workloads import REPO, SHARED_BENCH, text_of_tokens  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir as bench_model_dir
+from benchmarks.workloads import REPO, SHARED_BENCH, text_of_tokens
 
 USER = "Summarise the policy above for a new colleague in one short paragraph, please, thanks."
 FLOOR = "import torch, starlette, uvicorn, tokenizers"
@@ -168,10 +165,8 @@ def prepare(config: Path, workdir: Path, s3_endpoint: str, loras: int = 0,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
     ap.add_argument("--loras", type=int, default=0, help="also time a snapshot with this many LoRA adapters")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--systems", choices=("all", "warmstart"), default="all",
@@ -179,7 +174,7 @@ def main() -> None:
     ap.add_argument("--load-only", action="store_true",
                     help="with --loras: time only what the adapters could add, in this process (snapshot.load from "
                          "the cache and one request behind the system prompt), both snapshots alternating")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     from moto.server import ThreadedMotoServer
 
@@ -233,7 +228,7 @@ def main() -> None:
     finally:
         server.stop()
     if not args.load_only:
-        print_report(report, args.json)
+        harness.report(args, print_report(report))
 
 
 def load_only(work: Path, system: str, sid: str, lora_sid: str, rounds: int, loras: int) -> None:
@@ -256,19 +251,19 @@ def load_only(work: Path, system: str, sid: str, lora_sid: str, rounds: int, lor
             del llm
     for i, what in enumerate(("load", "load + first request")):
         deltas = [round(b[i] - a[i], 4) for a, b in zip(times[sid], times[lora_sid], strict=True)]
-        base = statistics.median(t[i] for t in times[sid])
+        base = harness.median(t[i] for t in times[sid])
         print(f"{what}: without adapters {base:.4f} s (median); with {loras} LoRA minus without, per round: {deltas} s "
-              f"(median {statistics.median(deltas):+.4f} s)")
+              f"(median {harness.median(deltas):+.4f} s)")
 
 
-def print_report(report: dict, as_json: bool) -> None:
-    floor = statistics.median(report["floor_s"])
+def print_report(report: dict) -> dict:
+    floor = harness.median(report["floor_s"])
     summary: dict = {"floor_s": floor, "models": {}}
     for name, runs in report["models"].items():
         rows = {}
         for system, results in runs.items():
-            rows[system] = {"ready_s": statistics.median(r["ready_s"] for r in results),
-                            "first_token_s": statistics.median(r["first_token_s"] for r in results),
+            rows[system] = {"ready_s": harness.median(r["ready_s"] for r in results),
+                            "first_token_s": harness.median(r["first_token_s"] for r in results),
                             "usage": results[-1]["usage"], "timeline": results[-1].get("timeline")}
         if "transformers" in rows:
             hf = rows["transformers"]["first_token_s"]
@@ -280,11 +275,8 @@ def print_report(report: dict, as_json: bool) -> None:
                 for key in ("ready_s", "first_token_s"):
                     deltas = [round(r[key] - b[key], 4) for r, b in zip(results, base, strict=True)]
                     rows[system][f"pairs_{key}_delta"] = deltas
-                    rows[system][f"median_{key}_delta"] = statistics.median(deltas)
+                    rows[system][f"median_{key}_delta"] = harness.median(deltas)
         summary["models"][name] = rows
-    if as_json:
-        print(json.dumps(summary))
-        return
     print(f"import-only floor ({FLOOR}): {floor:.3f} s (median)")
     for name, rows in summary["models"].items():
         print(f"\n{name} (bf16, random weights), ~2,048-token system prompt, first token after spawn; medians")
@@ -302,6 +294,7 @@ def print_report(report: dict, as_json: bool) -> None:
         timeline = rows["warmstart (cache)"]["timeline"]
         if timeline:
             print("warmstart (cache) timeline, last run: " + json.dumps(timeline))
+    return summary
 
 
 if __name__ == "__main__":

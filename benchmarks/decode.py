@@ -1,8 +1,8 @@
 """Decode of one sequence on the CPU: warmstart against llama.cpp, side by side.
 
-    OMP_NUM_THREADS=2 python benchmarks/decode.py [--rounds 5] [--systems warmstart warmstart-torch llamacpp]
+    OMP_NUM_THREADS=2 python -m benchmarks.decode [--rounds 5] [--systems warmstart warmstart-torch llamacpp]
         [--prompt-tokens 64] [--new-tokens 128] [--sequences 1] [--model-dir DIR] [--json OUT]
-    OMP_NUM_THREADS=2 python benchmarks/decode.py --kernel-rows   # gemv kernel against oneDNN, rows 1..8
+    OMP_NUM_THREADS=2 python -m benchmarks.decode --kernel-rows   # gemv kernel against oneDNN, rows 1..8
 
 One sequence, greedy, EOS ignored, a fresh random prompt each round. Each generated token after the first is
 timed (from the previous token to it; the prompt's prefill is not in it); a round's figure is the median of its
@@ -43,15 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from warmstart.runtime import LLM, SamplingParams  # noqa: E402
-from warmstart.runtime.kernels import cpu_gemv  # noqa: E402
-from warmstart.runtime.layers.linear import plain_weight  # noqa: E402
-from warmstart.runtime.models.weights import LINEAR_FIELDS, ModelWeights  # noqa: E402
-from warmstart.runtime.quant.packed_linear import PackedWeight  # noqa: E402
+from benchmarks import harness
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.kernels import cpu_gemv
+from warmstart.runtime.layers.linear import plain_weight
+from warmstart.runtime.models.weights import LINEAR_FIELDS, ModelWeights
+from warmstart.runtime.quant.packed_linear import PackedWeight
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = ("WARMSTART_LLAMACPP_PYTHON", Path("/work/peers/llamacpp/.venv/bin/python"))
@@ -170,7 +169,7 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 ours.set_path(name)
                 token_ms = ours.token_ms(prompts, args.new_tokens)
-            row[name] = statistics.median(token_ms)
+            row[name] = harness.median(token_ms)
             row[name + " mean"] = statistics.fmean(token_ms)
         rounds.append(row)
         floor = nbytes / (row["bandwidth_gb_s"] * 1e9) * 1e3
@@ -181,20 +180,20 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(systems: list[str], rounds: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
-    bandwidth = statistics.median(r["bandwidth_gb_s"] for r in rounds)
+    bandwidth = harness.median(r["bandwidth_gb_s"] for r in rounds)
     floor = nbytes / (bandwidth * 1e9) * 1e3
     summary: dict[str, Any] = {"weight_mb_per_token": nbytes / 1e6, "bandwidth_gb_s": bandwidth, "floor_ms": floor,
                                "rounds": rounds, "systems": {}}  # fmt: skip
     print(f"\nweights per token {nbytes / 1e6:.0f} MB; bandwidth (median) {bandwidth:.1f} GB/s; floor {floor:.2f} ms")
     for s in systems:
-        ms = statistics.median(r[s] for r in rounds)
-        mean = statistics.median(r[s + " mean"] for r in rounds)
+        ms = harness.median(r[s] for r in rounds)
+        mean = harness.median(r[s + " mean"] for r in rounds)
         ratios = [r[s] / r["warmstart"] for r in rounds] if "warmstart" in systems else []
         summary["systems"][s] = {"ms_per_token": ms, "mean_ms_per_token": mean, "fraction_of_floor": floor / ms,
                                  "per_round_ratio": ratios}
         vs = f"; ms/token vs warmstart per round {', '.join(f'{x:.2f}' for x in ratios)}" if s != "warmstart" else ""
         print(f"{s}: {ms:.2f} ms/token (mean {mean:.2f}), {floor / ms:.0%} of the bandwidth floor{vs}"
-              + (f" (median {statistics.median(ratios):.2f}x)" if ratios and s != "warmstart" else ""))
+              + (f" (median {harness.median(ratios):.2f}x)" if ratios and s != "warmstart" else ""))
     return summary
 
 
@@ -216,9 +215,9 @@ def kernel_rows(args: argparse.Namespace, rounds: int = 7) -> None:
             times["gemv"].append(_timed(on_gemv))
             times["onednn"].append(_timed(on_onednn))
         ratios = [o / g for g, o in zip(times["gemv"], times["onednn"], strict=True)]
-        print(f"rows {rows}: gemv {statistics.median(times['gemv']) * 1e3:.2f} ms, oneDNN "
-              f"{statistics.median(times['onednn']) * 1e3:.2f} ms per pass over the weights; oneDNN/gemv per round "
-              f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f})", flush=True)
+        print(f"rows {rows}: gemv {harness.median(times['gemv']) * 1e3:.2f} ms, oneDNN "
+              f"{harness.median(times['onednn']) * 1e3:.2f} ms per pass over the weights; oneDNN/gemv per round "
+              f"median {harness.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f})", flush=True)
 
 
 def _pass_over(packed: list[PackedWeight], xs: dict[int, torch.Tensor], gemv: bool) -> None:
@@ -230,16 +229,14 @@ def _pass_over(packed: list[PackedWeight], xs: dict[int, torch.Tensor], gemv: bo
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
+    p = harness.arguments(__doc__, rounds=5)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--sequences", type=int, default=1, help="decode this many sequences at once (ms per step)")
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/warmstart/models/smollm2")
-    p.add_argument("--json", type=Path, help="write the rounds and the summary here")
     p.add_argument("--kernel-rows", action="store_true", help="only the gemv kernel against oneDNN, rows 1..8")
-    args = p.parse_args()
+    args = harness.parse(p)
     if not (args.model_dir / "config.json").is_file():
         raise SystemExit(f"{args.model_dir}: no model there; run `warmstart prepare-model smollm2` or pass --model-dir")
     if args.kernel_rows:
@@ -247,9 +244,7 @@ def main() -> int:
         return 0
     if "warmstart" not in args.systems:
         raise SystemExit("--systems must include warmstart (the ratios are to it)")
-    summary = run_rounds(args)
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+    harness.report(args, run_rounds(args))
     return 0
 
 

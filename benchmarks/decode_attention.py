@@ -1,6 +1,6 @@
 """Decode attention: the C kernel against the gather-and-matmul path, side by side in one engine.
 
-    python benchmarks/decode_attention.py [--seqs 40] [--rounds 4]
+    python -m benchmarks.decode_attention [--seqs 40] [--rounds 4] [--json OUT]
 
 SmolLM2-135M shape (random weights, bf16); --seqs requests with prompts of 8-1,024 tokens are prefilled,
 then decode steps are timed, alternating between the kernel (runtime/kernels/cpu_attention.c, all decoding
@@ -11,26 +11,20 @@ the same step on the same pool; the sequences grow by 5 tokens a round either wa
 
 from __future__ import annotations
 
-import argparse
 import random
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from warmstart.runtime import LLM, SamplingParams  # noqa: E402
-from warmstart.runtime.layers.ops import TorchOps  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir
+from benchmarks.workloads import SHARED_BENCH
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.layers.ops import TorchOps
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=4, warmup=0)
     ap.add_argument("--seqs", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=4)
-    args = ap.parse_args()
+    args = harness.parse(ap)
     llm = LLM.from_hf(model_dir(SHARED_BENCH / "models" / "smollm2-135m.json"), dtype="bfloat16")
     engine = llm.engine
     ops = engine.runner.model.ops
@@ -39,7 +33,7 @@ def main() -> None:
     rng = random.Random(0)
     for _ in range(args.seqs):
         prompt = [rng.randint(16, 40000) for _ in range(rng.randint(8, 1024))]
-        engine.add_request(prompt, SamplingParams(max_tokens=10 * args.rounds + 10, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_tokens=10 * (args.rounds + args.warmup) + 10, ignore_eos=True))
 
     def prefilling() -> bool:
         return any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
@@ -47,19 +41,18 @@ def main() -> None:
     while engine.scheduler.waiting or prefilling():
         engine.step()
     keys = sum(s.num_tokens for s in engine.scheduler.running)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.rounds):
-        for kernel in times:
-            ops.decode_kernel = kernel
-            start = time.perf_counter()
-            for _ in range(5):
-                engine.step()
-            times[kernel].append((time.perf_counter() - start) / 5 * 1000)
-    kernel_ms, gather_ms = statistics.median(times[True]), statistics.median(times[False])
-    print(f"{args.seqs} decoding sequences, {keys} tokens in the pool, {args.rounds} rounds of 5 steps")
-    print(f"C kernel        {kernel_ms:7.1f} ms/step")
-    print(f"gather + matmul {gather_ms:7.1f} ms/step")
-    print(f"ratio (gather / kernel) {gather_ms / kernel_ms:.2f}x")
+
+    def ms_per_step(kernel: bool) -> float:
+        ops.decode_kernel = kernel
+        return harness.seconds(lambda: [engine.step() for _ in range(5)]) / 5 * 1000
+
+    times = harness.alternate({"kernel": lambda: ms_per_step(True), "gather": lambda: ms_per_step(False)},
+                              args.rounds, args.warmup)  # fmt: skip
+    ms, ratio = harness.medians(times), harness.ratio(times["gather"], times["kernel"])
+    harness.report(args, {"seqs": args.seqs, "pool_tokens": keys, "ms_per_step": ms, "gather_over_kernel": ratio}, [
+        f"{args.seqs} decoding sequences, {keys} tokens in the pool, {args.rounds} rounds of 5 steps",
+        f"C kernel        {ms['kernel']:7.1f} ms/step", f"gather + matmul {ms['gather']:7.1f} ms/step",
+        f"ratio (gather / kernel) {harness.ratio_text(ratio)}"])
 
 
 if __name__ == "__main__":

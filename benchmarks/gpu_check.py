@@ -1,7 +1,7 @@
 """Everything the CUDA path needs checked on a GPU, in one run of under 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py [--out benchmarks/results] [--budget-s 400] [--sections served ...]
-    python benchmarks/gpu_check.py --dry-run     # on the CPU: every section at toy size (a test runs this)
+    python -m benchmarks.gpu_check [--out benchmarks/results] [--budget-s 400] [--sections served ...]
+    python -m benchmarks.gpu_check --dry-run     # on the CPU: every section at toy size (a test runs this)
 
 Sections, in order of what they prove; each is timed, a failing one is recorded and the next runs, and a
 section (or a model inside one) that the budget leaves no time for is skipped with a message. Child
@@ -32,7 +32,7 @@ folder .whl/), then call the device tool's `run` with carry [".whl"], timeout_s 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl && mkdir /tmp/site/warmstart && for f in runtime snapshot handlers; do ln -s $PWD/$f \
       /tmp/site/warmstart/$f; done && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 \
-      python3 benchmarks/gpu_check.py --out $OUT 2>&1 | tee $OUT/log.txt
+      python3 -m benchmarks.gpu_check --out $OUT 2>&1 | tee $OUT/log.txt
 
 (the links make this checkout's folders importable as warmstart.runtime, ... without installing it, as setup.py
 maps them).
@@ -43,7 +43,6 @@ the 15 minutes: the same with `--sections served --budget-s 200`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -63,8 +62,8 @@ if not torch.cuda.is_available():  # the dry run proves the wiring under Triton'
     os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
+from benchmarks import harness  # noqa: E402
 from warmstart.runtime.engine.cuda_graphs import DEFAULT_BATCH_SIZES  # noqa: E402
 from warmstart.runtime.engine.engine import LLMEngine  # noqa: E402
 from warmstart.runtime.engine.model_runner import GRAPHS_ENV  # noqa: E402
@@ -392,13 +391,13 @@ def write_report(report: dict[str, Any], out: Path, start: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=None, json_out=False)
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (kernels interpreted)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="the run's time: sections are skipped, and child processes stopped, past it (default 400)")
     ap.add_argument("--sections", nargs="+", choices=list(MIN_SECONDS), help="run only these (default: all)")
-    args = ap.parse_args()
+    args = harness.parse(ap)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run to check the script on the CPU")
@@ -412,7 +411,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": dry,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor()})",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__, "sections": {},
+        "machine": harness.machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": triton.__version__, "sections": {},
     }  # fmt: skip
     bench_dirs: dict[str, Path] = {}
 

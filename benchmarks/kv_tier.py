@@ -2,7 +2,7 @@
 that turn on a fresh `warmstart serve` process with the KV tier (S3 on a moto server on 127.0.0.1) against a
 fresh process without it, side by side.
 
-    python benchmarks/kv_tier.py [--rounds 3] [--history 4096] [--model-dir DIR] [--json]
+    python -m benchmarks.kv_tier [--rounds 3] [--history 4096] [--model-dir DIR] [--json OUT]
 
 Once: a bf16 snapshot of the model (SmolLM2-135M-Instruct from `warmstart prepare-model smollm2` when it is
 there, else the random SmolLM2-135M-shaped model) in a local store, and a moto S3 server. Each round draws a
@@ -17,12 +17,10 @@ Printed: medians, the ratio (without / with), the tokens served from the tier an
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,10 +30,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cold_start import AWS, free_port, stop  # noqa: E402
-from benchmarks.workloads import REPO, SHARED_BENCH  # noqa: E402
+from benchmarks import harness
+from benchmarks.cold_start import AWS, free_port, stop
+from benchmarks.workloads import REPO, SHARED_BENCH
 
 PREPARED = Path.home() / ".cache" / "warmstart" / "models" / "smollm2"
 NEW_TOKENS = 32
@@ -129,12 +126,10 @@ def round_once(sid: str, work: Path, env: dict[str, str], history: int, vocab: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--history", type=int, default=4096)
     ap.add_argument("--model-dir", type=Path)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     import boto3
     from moto.server import ThreadedMotoServer
@@ -159,25 +154,21 @@ def main() -> None:
                 print(json.dumps(rounds[-1]), file=sys.stderr)
     finally:
         moto.stop()
-    with_tier = statistics.median(r["with_tier"]["ttft_s"] for r in rounds)
-    without = statistics.median(r["without"]["ttft_s"] for r in rounds)
-    ratios = [r["without"]["ttft_s"] / r["with_tier"]["ttft_s"] for r in rounds]
-    cached = statistics.median(r["with_tier"]["cached_tokens"] for r in rounds)
-    per_token = statistics.median(r["with_tier"]["bytes_read"] / max(1, r["with_tier"]["cached_tokens"])
-                                  for r in rounds)
+    with_tier = harness.median(r["with_tier"]["ttft_s"] for r in rounds)
+    without = harness.median(r["without"]["ttft_s"] for r in rounds)
+    ratio = harness.ratio([r["without"]["ttft_s"] for r in rounds], [r["with_tier"]["ttft_s"] for r in rounds])
+    cached = harness.median(r["with_tier"]["cached_tokens"] for r in rounds)
+    per_token = harness.median(r["with_tier"]["bytes_read"] / max(1, r["with_tier"]["cached_tokens"]) for r in rounds)
     report = {"model": str(model), "history": args.history, "rounds": rounds, "ttft_with_tier_s": with_tier,
-              "ttft_without_s": without, "ratio_median_of_rounds": statistics.median(ratios),
-              "cached_tokens": cached, "bytes_read_per_cached_token": per_token}
-    if args.json:
-        print(json.dumps(report))
-        return
+              "ttft_without_s": without, "without_over_with_tier": ratio, "cached_tokens": cached,
+              "bytes_read_per_cached_token": per_token}
     print(f"turn two after a {args.history}-token history, on a fresh process ({model.name}, bf16, "
           f"{args.rounds} rounds)")
     print(f"  with the KV tier (S3, moto)   TTFT {with_tier:.3f} s   ({cached:.0f} tokens from the tier, "
           f"{per_token / 1024:.1f} KiB read per token)")
     print(f"  without                       TTFT {without:.3f} s")
-    print(f"  ratio (median of rounds)      {statistics.median(ratios):.2f}x  per round: "
-          + ", ".join(f"{x:.2f}x" for x in ratios))
+    print(f"  ratio (without / with)        {harness.ratio_text(ratio)}")
+    harness.report(args, report)
 
 
 if __name__ == "__main__":

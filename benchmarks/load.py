@@ -1,6 +1,6 @@
 """Time from nothing to a ready engine: our snapshot against safetensors + our engine and transformers.
 
-    python benchmarks/load.py [--rounds 3] [--config ../shared/bench/models/smollm2-135m.json] [--json]
+    python -m benchmarks.load [--rounds 3] [--config ../shared/bench/models/smollm2-135m.json] [--json OUT]
 
 Every system starts in a fresh process (a cold start is a fresh process) and loads the same model
 (random weights, bf16). Rounds alternate systems. Each is run with the page cache warm, and cold: before a
@@ -22,15 +22,15 @@ import importlib.util
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import harness
+
 T_START = time.perf_counter()
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHARED_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "bench"
 PROMPT = list(range(100, 116))
@@ -104,16 +104,14 @@ def prepare(config: Path, workdir: Path) -> tuple[Path, str, Path, dict[str, lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--systems", nargs="+", default=["snapshot", "hf+engine", "transformers"])
-    ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--snapshot-id", help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = harness.parse(ap)
     if args.worker:
         print(json.dumps(worker(args.worker, args.model_dir, args.snapshot_id, args.cache)))
         return
@@ -128,18 +126,15 @@ def main() -> None:
                 for system in args.systems:
                     if state == "cold":
                         drop_page_cache(files[system])
-                    cmd = [sys.executable, __file__, "--worker", system, "--model-dir", str(model),
-                           "--snapshot-id", sid, "--cache", str(cache)]
-                    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                    cmd = harness.module_command("benchmarks.load", "--worker", system, "--model-dir", str(model),
+                                                 "--snapshot-id", sid, "--cache", str(cache))
+                    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=harness.REPO)
                     results[system][state].append(json.loads(out.stdout.strip().splitlines()[-1]))
     report = {"model": args.config.stem, "snapshot_id": sid, "rounds": args.rounds, "results": {}}
     for system, states in results.items():
         report["results"][system] = {
-            state: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for state, runs in states.items()
+            state: {k: harness.median(r[k] for r in runs) for k in runs[0]} for state, runs in states.items()
         }
-    if args.json:
-        print(json.dumps(report))
-        return
     print(f"model {args.config.stem} (bf16, random weights); medians of {args.rounds} rounds, fresh process each")
     header = f"{'system':<14}{'cache':<6}{'imports s':>10}{'load s':>10}{'1st token s':>12}{'process s':>10}"
     print(header + f"{'RSS MiB':>9}{'load / ours':>13}")
@@ -150,6 +145,7 @@ def main() -> None:
             ratio = f"{r['load_s'] / ours:.1f}x" if ours else "-"
             print(f"{system:<14}{state:<6}{r['imports_s']:>10.3f}{r['load_s']:>10.3f}{r['first_token_s']:>12.3f}"
                   f"{r['process_s']:>10.3f}{r['peak_rss_mib']:>9.0f}{ratio:>13}")
+    harness.report(args, report)
 
 
 if __name__ == "__main__":

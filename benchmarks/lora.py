@@ -1,8 +1,8 @@
 """Many LoRA adapters at once: 8 adapters mixed in one stream vs the base model alone vs one adapter
 merged into the weights, side by side in one run; optionally vLLM's CPU build on the same load.
 
-    python benchmarks/lora.py [--requests 32] [--prompt-tokens 64] [--max-tokens 32] [--rank 16] [--rounds 3]
-                              [--vllm] [--json]
+    python -m benchmarks.lora [--requests 32] [--prompt-tokens 64] [--max-tokens 32] [--rank 16] [--rounds 3]
+                              [--vllm] [--json OUT]
 
 The model is the SmolLM2-135M shape (random weights, bf16). Eight random rank-``--rank`` LoRA adapters over
 q/k/v/o/gate/up/down are written in PEFT's format (adapter_config.json by peft's LoraConfig). Round after round,
@@ -22,23 +22,19 @@ in its process; its tok/s and its own mixed/base ratio are printed beside ours.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir as bench_model_dir
+from benchmarks.workloads import SHARED_BENCH
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_ADAPTERS = 8
@@ -141,7 +137,7 @@ def burst(
     finally:
         model.add_lora = chosen
     assert all(len(o.token_ids) == max_tokens for o in outs)
-    ttft = statistics.median(o.timestamps.first_token - o.timestamps.arrival for o in outs)
+    ttft = harness.median(o.timestamps.first_token - o.timestamps.arrival for o in outs)
     return sum(len(o.token_ids) for o in outs) / seconds, ttft
 
 
@@ -174,19 +170,17 @@ def run_vllm(model: Path, paths: dict[str, Path], prompts: list[list[int]], max_
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ttft-reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (0: torch's default); on a machine loaded past its cores, 1 is much faster")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build with --enable-lora")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     import torch
 
@@ -233,22 +227,19 @@ def main() -> None:
                 if args.vllm else None)
     per_round = [m / b for m, b in zip(rates["mixed"], rates["base"], strict=True)]
     torch_per_round = [m / b for m, b in zip(rates["mixed-torch"], rates["base"], strict=True)]
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = {k: harness.median(v) for k, v in rates.items()}
     result = {
         "model": args.config.stem, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "rank": args.rank, "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(), "tok_s": rates, "ttft_s": ttfts,
-        "mixed_over_base_per_round": per_round, "mixed_over_base": statistics.median(per_round),
+        "mixed_over_base_per_round": per_round, "mixed_over_base": harness.median(per_round),
         "lora_kernel": kernel, "mixed_torch_over_base_per_round": torch_per_round,
-        "mixed_torch_over_base": statistics.median(torch_per_round),
-        "merged_over_base": statistics.median(m / b for m, b in zip(rates["merged"], rates["base"], strict=True)),
-        "single_ttft_base_s": statistics.median(single["base"]),
-        "single_ttft_adapter_s": statistics.median(single["adapter"]),
+        "mixed_torch_over_base": harness.median(torch_per_round),
+        "merged_over_base": harness.median(m / b for m, b in zip(rates["merged"], rates["base"], strict=True)),
+        "single_ttft_base_s": harness.median(single["base"]),
+        "single_ttft_adapter_s": harness.median(single["adapter"]),
         "adapter_loads": stats.loads, "adapter_load_s": stats.load_seconds, "vllm": vllm,
     }
-    if args.json:
-        print(json.dumps(result))
-        return
     print(f"{args.requests} requests of {args.prompt_tokens} prompt tokens, {args.max_tokens} generated each, "
           f"{args.config.stem} (random bf16), rank {args.rank}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads")
@@ -257,7 +248,7 @@ def main() -> None:
                        ("merged", "one adapter merged")):
         rounds = " ".join(f"{x:7.1f}" for x in rates[key])
         print(f"  {label:28s} tok/s median {med[key]:7.1f} (rounds {rounds}), burst TTFT median "
-              f"{statistics.median(ttfts[key]) * 1e3:6.0f} ms")
+              f"{harness.median(ttfts[key]) * 1e3:6.0f} ms")
     print(f"  mixed/base per round: {' '.join(f'{x:.3f}' for x in per_round)}; median "
           f"{result['mixed_over_base']:.3f} (goal >= 0.8); merged/base {result['merged_over_base']:.3f}")
     print(f"  mixed-torch/base per round: {' '.join(f'{x:.3f}' for x in torch_per_round)}; median "
@@ -269,6 +260,7 @@ def main() -> None:
         print(f"  vLLM CPU --enable-lora: mixed {vllm['mixed_tok_s']:.1f} tok/s, base {vllm['base_tok_s']:.1f} tok/s, "
               f"its mixed/base per round {' '.join(f'{x:.3f}' for x in vllm['mixed_over_base_per_round'])}; "
               f"ours/vLLM mixed {med['mixed'] / vllm['mixed_tok_s']:.2f}x")
+    harness.report(args, result)
 
 
 if __name__ == "__main__":

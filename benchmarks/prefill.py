@@ -1,6 +1,6 @@
 """Prompt throughput (prefill) of warmstart against vLLM, side by side, on three prefill shapes.
 
-    python benchmarks/prefill.py [--systems warmstart warmstart-torch vllm] [--rounds 5] [--model-dir DIR]
+    python -m benchmarks.prefill [--systems warmstart warmstart-torch vllm] [--rounds 5] [--model-dir DIR]
 
 Every system is one long-lived worker process that loads its engine once (vLLM compiles for ~2 minutes), then
 the driver runs the rounds: in each round, each shape goes to every system in turn (the order rotating from round
@@ -31,14 +31,13 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import harness
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ("WARMSTART_VLLM_PYTHON", Path("/work/peers/vllm/.venv/bin/python"))
@@ -142,8 +141,8 @@ def start(system: str, args: argparse.Namespace) -> Worker | None:
     if system.startswith("warmstart"):
         env["WARMSTART_CPU_SMALL_OPS"] = "torch" if system == "warmstart-torch" else "kernel"
         env["WARMSTART_CPU_PREFILL_ATTENTION"] = "kernel" if system in ("warmstart", "warmstart-all-rows") else "torch"
-        cmd = [sys.executable, __file__, "--worker", "--model-dir", str(args.model_dir),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        cmd = harness.module_command("benchmarks.prefill", "--worker", "--model-dir", str(args.model_dir),
+                                     "--max-num-batched-tokens", str(args.max_num_batched_tokens))
         cmd += ["--all-rows"] if system == "warmstart-all-rows" else []
         return Worker(system, cmd, env)
     if system == "vllm":
@@ -164,16 +163,14 @@ def default_model_dir() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=5)
     ap.add_argument("--systems", nargs="+", default=["warmstart", "warmstart-sdpa", "warmstart-torch", "vllm"])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model-dir", type=Path)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="warmstart's step budget")
-    ap.add_argument("--json", action="store_true", help="also print every round as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--all-rows", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = harness.parse(ap)
     if args.worker:
         warmstart_worker(str(args.model_dir), args.max_num_batched_tokens, args.all_rows)
         return
@@ -205,8 +202,7 @@ def main() -> None:
             w.pause(False)
             w.close()
     print_table(workers, args.shapes, rates)
-    if args.json:
-        print(json.dumps(log))
+    harness.report(args, {"rounds": log})
 
 
 def print_table(workers: list[Worker], shapes: list[str], rates: dict[tuple[str, str], list[float]]) -> None:
@@ -218,13 +214,13 @@ def print_table(workers: list[Worker], shapes: list[str], rates: dict[tuple[str,
         cells, ratios = [], []
         for n in names:
             v = rates.get((n, shape), [])
-            cells.append(f"{statistics.median(v):,.0f} [{min(v):,.0f}-{max(v):,.0f}]" if v else "-")
+            cells.append(f"{harness.median(v):,.0f} [{min(v):,.0f}-{max(v):,.0f}]" if v else "-")
         base = rates.get((names[0], shape), [])
         for n in names[1:]:
             v = rates.get((n, shape), [])
             # per-round ratios (same prompts, adjacent in time), then their median
             rs = [b / a for a, b in zip(base, v, strict=False)]
-            ratios.append(f"{statistics.median(rs):.2f}x" if rs else "-")
+            ratios.append(f"{harness.median(rs):.2f}x" if rs else "-")
         print(f"| {shape} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
 
 

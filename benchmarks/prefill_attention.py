@@ -1,7 +1,7 @@
 """Prefill attention alone: the C kernel over the pool in place against SDPA (on gathered blocks behind a cached
 prefix), one layer of SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64), block size 16.
 
-    OMP_NUM_THREADS=2 python benchmarks/prefill_attention.py [--rounds 7] [--dtype bfloat16|float32]
+    OMP_NUM_THREADS=2 python -m benchmarks.prefill_attention [--rounds 7] [--dtype bfloat16|float32] [--json OUT]
 
 Shapes as in benchmarks/prefill.py: short (8 fresh chunks of 450 tokens), cached (8 chunks of 100 tokens behind 900
 cached ones), long (one fresh chunk of 2,000). Each round times one call of each path on the same inputs, the order
@@ -12,17 +12,13 @@ Then the KV write: the C row copies against index_copy_ for 8, 450 and 2,048 row
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from warmstart.runtime.layers.attention import (  # noqa: E402
+from benchmarks import harness
+from warmstart.runtime.layers.attention import (
     AttentionGroup,
     AttentionMetadata,
     paged_attention,
@@ -64,47 +60,45 @@ def make_step(chunks: int, cached: int, new: int, dtype: torch.dtype):  # type: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap = harness.arguments(__doc__, rounds=7, warmup=1)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    args = ap.parse_args()
+    args = harness.parse(ap)
     dtype = getattr(torch, args.dtype)
-    print(f"threads {torch.get_num_threads()}, {args.dtype}; ms per layer call, median [min-max] of {args.rounds}")
-    print("| shape | kernel ms | SDPA ms | SDPA / kernel |\n|---|---|---|---|")
+    lines = [f"{args.dtype}; ms per layer call, median [min-max] of {args.rounds}",
+             "| shape | kernel ms | SDPA ms | SDPA / kernel |", "|---|---|---|---|"]
+    result: dict[str, Any] = {"dtype": args.dtype, "attention": {}, "kv_write": {}}
     for name, shape in SHAPES.items():
         run = make_step(*shape, dtype)
-        run(True), run(False)  # warm-up
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(args.rounds):
-            for kernel in (True, False) if r % 2 == 0 else (False, True):
-                times[kernel].append(run(kernel))
-        ratios = [s / k for k, s in zip(times[True], times[False], strict=True)]
+        times = harness.alternate({"kernel": lambda: run(True), "sdpa": lambda: run(False)},  # noqa: B023
+                                  args.rounds, args.warmup)  # fmt: skip
+        ratio = harness.ratio(times["sdpa"], times["kernel"])
+        result["attention"][name] = {"seconds": times, "sdpa_over_kernel": ratio}
 
         def cell(v: list[float]) -> str:
-            return f"{statistics.median(v) * 1e3:.1f} [{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}]"
+            return f"{harness.median(v) * 1e3:.1f} [{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}]"
 
-        print(f"| {name} | {cell(times[True])} | {cell(times[False])} | {statistics.median(ratios):.2f}x |")
-    kv_write_rows(args.rounds, dtype)
+        lines.append(f"| {name} | {cell(times['kernel'])} | {cell(times['sdpa'])} | {ratio['median']:.2f}x |")
+    lines += kv_write_rows(args.rounds, dtype, result["kv_write"])
+    harness.report(args, result, lines)
 
 
-def kv_write_rows(rounds: int, dtype: torch.dtype) -> None:
+def kv_write_rows(rounds: int, dtype: torch.dtype, result: dict[int, Any]) -> list[str]:
     """The KV write: the C row copies (``write_kv``) against ``index_copy_`` (``write_kv_torch``), k and v as views
     of a qkv output, slots scattered over a pool; medians of ``rounds`` x 10 calls each."""
-    print("| rows | C write_kv us | index_copy_ us | index_copy_ / C |\n|---|---|---|---|")
+    lines = ["| rows | C write_kv us | index_copy_ us | index_copy_ / C |", "|---|---|---|---|"]
     for rows in (8, 450, 2048):
         qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
         _, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
         k, v = k.view(rows, KV_HEADS, HEAD_DIM), v.view(rows, KV_HEADS, HEAD_DIM)
         cache = torch.zeros(2, KV_HEADS, 1000, BLOCK, HEAD_DIM, dtype=dtype)
         slots = torch.randperm(1000 * BLOCK)[:rows]
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(rounds * 10):
-            for kernel in (True, False) if r % 2 == 0 else (False, True):
-                t = time.perf_counter()
-                (write_kv if kernel else write_kv_torch)(cache, k, v, slots)
-                times[kernel].append(time.perf_counter() - t)
-        c, torch_ = statistics.median(times[True]), statistics.median(times[False])
-        print(f"| {rows} | {c * 1e6:.0f} | {torch_ * 1e6:.0f} | {torch_ / c:.1f}x |")
+        times = harness.alternate({"c": lambda: harness.seconds(lambda: write_kv(cache, k, v, slots)),  # noqa: B023
+                                   "torch": lambda: harness.seconds(lambda: write_kv_torch(cache, k, v, slots))},  # noqa: B023
+                                  rounds * 10)  # fmt: skip
+        c, torch_ = harness.median(times["c"]), harness.median(times["torch"])
+        result[rows] = {"c_s": c, "index_copy_s": torch_}
+        lines.append(f"| {rows} | {c * 1e6:.0f} | {torch_ * 1e6:.0f} | {torch_ / c:.1f}x |")
+    return lines
 
 
 if __name__ == "__main__":

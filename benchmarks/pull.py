@@ -1,6 +1,6 @@
 """Pull throughput from a moto S3 server on loopback: our pull_blobs against boto3's download_file.
 
-    python benchmarks/pull.py [--total-mb 300] [--blobs 4] [--rounds 3] [--json]
+    python -m benchmarks.pull [--total-mb 300] [--blobs 4] [--rounds 3] [--json OUT]
 
 The script starts moto's server in its own process on 127.0.0.1 (so that it does not share our GIL, as a
 real endpoint would not), uploads --blobs random blobs totalling --total-mb, then pulls all of them into an
@@ -17,12 +17,9 @@ off more than they would against S3 itself.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,12 +28,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from warmstart.snapshot.cache import BlobCache  # noqa: E402
-from warmstart.snapshot.format import blob_id  # noqa: E402
-from warmstart.snapshot.s3 import S3Store  # noqa: E402
-from warmstart.snapshot.transfer import pull_blobs  # noqa: E402
+from benchmarks import harness
+from warmstart.snapshot.cache import BlobCache
+from warmstart.snapshot.format import blob_id
+from warmstart.snapshot.s3 import S3Store
+from warmstart.snapshot.transfer import pull_blobs
 
 BUCKET = "bench"
 MiB = 1 << 20
@@ -97,12 +93,10 @@ def boto3_default(store: S3Store, sizes: dict[str, int]) -> Callable[[Path], Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arguments(__doc__, rounds=3)
     parser.add_argument("--total-mb", type=int, default=300)
     parser.add_argument("--blobs", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = parser.parse_args()
+    args = harness.parse(parser)
 
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_EC2_METADATA_DISABLED="true")
@@ -130,18 +124,16 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - started)
                 shutil.rmtree(target)
     rates = {name: [total / 1e6 / s for s in runs] for name, runs in seconds.items()}
-    baseline = statistics.median(rates["boto3 download_file (defaults)"])
-    rows = [{"variant": name, "mb_per_s": round(statistics.median(r), 1), "min": round(min(r), 1),
-             "max": round(max(r), 1), "ratio_to_boto3": round(statistics.median(r) / baseline, 2)}
+    baseline = rates["boto3 download_file (defaults)"]
+    rows = [{"variant": name, "mb_per_s": round(harness.median(r), 1), "min": round(min(r), 1),
+             "max": round(max(r), 1), "ratio_to_boto3": round(harness.ratio(r, baseline)["median"], 2)}
             for name, r in rates.items()]
-    if args.json:
-        print(json.dumps({"total_bytes": total, "blobs": len(sizes), "rounds": args.rounds, "results": rows}))
-        return
     print(f"pull of {len(sizes)} blobs, {total / 1e6:.0f} MB, from moto on 127.0.0.1; median of {args.rounds} rounds")
     print(f"{'variant':<34} {'MB/s':>7} {'min':>7} {'max':>7} {'vs boto3':>9}")
     for row in rows:
         print(f"{row['variant']:<34} {row['mb_per_s']:>7} {row['min']:>7} {row['max']:>7} "
               f"{row['ratio_to_boto3']:>8}x")
+    harness.report(args, {"total_bytes": total, "blobs": len(sizes), "rounds": args.rounds, "results": rows})
 
 
 if __name__ == "__main__":

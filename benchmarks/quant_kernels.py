@@ -1,6 +1,6 @@
 """Quantized matmul kernels against the bf16 matmul, side by side, on SmolLM2-135M's linear shapes.
 
-    python benchmarks/quant_kernels.py [--rows 1 16 64 256] [--rounds 7] [--group-size 128] [--json]
+    python -m benchmarks.quant_kernels [--rows 1 16 64 256] [--rounds 7] [--group-size 128] [--json OUT]
 
 For each shape and row count (tokens in the step) every candidate runs in turn, round after round, so that
 load from other processes on the machine spreads over all of them; medians of the per-call times are printed
@@ -19,22 +19,16 @@ with the ratio to bf16 F.linear (> 1: slower). Candidates:
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from warmstart.runtime.layers.linear import linear  # noqa: E402
-from warmstart.runtime.quant import formats as quant  # noqa: E402
-from warmstart.runtime.quant.quantize import quantize  # noqa: E402
+from benchmarks import harness
+from warmstart.runtime.layers.linear import linear
+from warmstart.runtime.quant import formats as quant
+from warmstart.runtime.quant.quantize import quantize
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -75,18 +69,16 @@ def per_call_us(fn: Callable[[], object], budget_s: float = 0.02) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return harness.median(times) * 1e6
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--group-size", type=int, default=64,
                     help="int4 group size (64: the largest that divides SmolLM2's 576; nf4 uses its default 64)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     torch.manual_seed(0)
     report: dict[str, dict[str, dict[str, float]]] = {}
@@ -109,13 +101,12 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for name, fn in fns.items():
                         samples[name].append(per_call_us(lambda fn=fn, x=x: fn(x)))  # type: ignore[misc]
-                med = {name: statistics.median(v) for name, v in samples.items()}
+                med = {name: harness.median(v) for name, v in samples.items()}
                 report[shape_name][str(m)] = med
                 cells = [f"{med['bf16']:>16.0f}"]
                 cells += [f"{med[name]:>9.0f} {med[name] / med['bf16']:>5.2f}x" for name in fns if name != "bf16"]
                 print(f"{m:>5}" + "".join(cells))
-    if args.json:
-        print(json.dumps(report))
+    harness.report(args, report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Each quantization scheme against the bf16 model, side by side: bytes, logit error, greedy agreement, speed.
 
-    python benchmarks/quant_quality.py [--rounds 5] [--prompts 16] [--max-tokens 32] [--json]
+    python -m benchmarks.quant_quality [--rounds 5] [--prompts 16] [--max-tokens 32] [--json OUT]
 
 The model is the SmolLM2-135M-shaped random model of benchmarks/throughput.py (bf16, tied embeddings). For
 each scheme (and int8 with its head quantized too, the option quantize_model leaves off), and for the same
@@ -17,25 +17,20 @@ bf16 against fp32 flips many top tokens and most greedy continuations):
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.quant_eval import compare_to_float, prompt_logits  # noqa: E402
-from benchmarks.throughput import model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from warmstart.runtime import EngineOptions, LLMEngine, SamplingParams  # noqa: E402
-from warmstart.runtime.models.config import ModelConfig  # noqa: E402
-from warmstart.runtime.models.model import Model  # noqa: E402
-from warmstart.runtime.models.quantize import quantize_model  # noqa: E402
-from warmstart.runtime.models.weights import ModelWeights, load_weights  # noqa: E402
+from benchmarks import harness
+from benchmarks.quant_eval import compare_to_float, prompt_logits
+from benchmarks.throughput import model_dir
+from benchmarks.workloads import SHARED_BENCH
+from warmstart.runtime import EngineOptions, LLMEngine, SamplingParams
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.model import Model
+from warmstart.runtime.models.quantize import quantize_model
+from warmstart.runtime.models.weights import ModelWeights, load_weights
 
 VARIANTS = {"bf16": ("none", False), "fp32": ("none", False), "int8": ("int8", False),
             "int8+head": ("int8", True), "int4": ("int4", False), "nf4": ("nf4", False)}
@@ -70,14 +65,12 @@ def weight_bytes(weights: ModelWeights) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=5)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     path = model_dir(args.config)
     config = ModelConfig.from_dir(path)
@@ -110,7 +103,7 @@ def main() -> None:
                 speeds[name]["b16"].append(decode_tok_s(model, 16))
                 speeds[name]["prefill"].append(prefill_tok_s(model))
     for name in models:
-        rows[name].update({f"{k}_tok_s": statistics.median(v) for k, v in speeds[name].items()})
+        rows[name].update({f"{k}_tok_s": harness.median(v) for k, v in speeds[name].items()})
     rows.get("fp32", {}).update({f"{k}_tok_s": float("nan") for k in ("b1", "b16", "prefill")})
 
     ref = rows["bf16"]
@@ -130,8 +123,7 @@ def main() -> None:
                                       for k in ("b1", "b16", "prefill")))
     print("\ntok/s: decode at batch 1 and 16 (generated tokens per second), prefill of one 256-token prompt; "
           f"the bf16 model's logits have std {logit_std:.2f}")
-    if args.json:
-        print(json.dumps({"logit_std": logit_std, "schemes": rows}))
+    harness.report(args, {"logit_std": logit_std, "schemes": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """This tree's `warmstart serve` against another commit's, side by side in one run: did a change cost throughput?
 
-    python benchmarks/serve_ab.py --base COMMIT [--rounds 3] [--scale 0.25] [--concurrency 32] [--json OUT]
+    python -m benchmarks.serve_ab --base COMMIT [--rounds 3] [--scale 0.25] [--concurrency 32] [--json OUT]
 
 The base commit is checked out into a temporary git worktree; where its C kernels' sources equal this tree's it
 borrows this tree's built extensions, otherwise it builds its own (`setup.py build_ext --inplace`). One bf16
@@ -13,22 +13,19 @@ inter-token p50/p99 of each, and the ratio this / base of tokens/s per round and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cold_start import free_port  # noqa: E402
-from benchmarks.serve_load import run_server  # noqa: E402
-from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
-from benchmarks.workloads import REPO, SHARED_BENCH, load_workload  # noqa: E402
+from benchmarks import harness
+from benchmarks.cold_start import free_port
+from benchmarks.serve_load import run_server
+from benchmarks.throughput import model_dir as bench_model_dir
+from benchmarks.workloads import REPO, SHARED_BENCH, load_workload
 
 KERNEL_SOURCES = ["runtime/kernels", "setup.py"]
 
@@ -61,14 +58,12 @@ def importable(tree: Path, links: Path) -> tuple[str, Path]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--base", required=True, help="the commit to compare with (e.g. main~3)")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--scale", type=float, default=0.25, help="fraction of the mixed workload's 128 requests")
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--json", type=Path, metavar="OUT")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     from warmstart.snapshot.build import BuildOptions, build_snapshot
     from warmstart.snapshot.cache import BlobCache
@@ -101,19 +96,17 @@ def main() -> None:
                     f"{row[n]['itl_p50'] * 1e3:.1f} ms, errors {row[n]['errors']}" for n in trees), flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tmp / "base")], check=False)
-    ratios = [r["this"]["tok_s"] / r["base"]["tok_s"] for r in rounds]
+    ratio = harness.ratio([r["this"]["tok_s"] for r in rounds], [r["base"]["tok_s"] for r in rounds])
     keys = ("tok_s", "gen_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
-    med = {n: {k: statistics.median(r[n][k] for r in rounds) for k in keys} for n in trees}
+    med = {n: {k: harness.median(r[n][k] for r in rounds) for k in keys} for n in trees}
     print(f"mixed x {args.scale}: {len(requests)} requests, at most {args.concurrency} clients; {args.config.stem} "
           f"bf16; base {args.base}; medians of {args.rounds} rounds")
     print(f"{'tree':<6}{'tok/s':>8}{'gen tok/s':>10}{'TTFT p50':>9}{'p99':>7}{'ITL p50':>9}{'p99':>8}")
     for n, m in med.items():
         print(f"{n:<6}{m['tok_s']:>8.0f}{m['gen_tok_s']:>10.0f}{m['ttft_p50']:>9.2f}{m['ttft_p99']:>7.2f}"
               f"{m['itl_p50'] * 1e3:>8.1f}m{m['itl_p99'] * 1e3:>7.1f}m")
-    print(f"this / base tok/s per round: {', '.join(f'{r:.3f}' for r in ratios)}; median "
-          f"{statistics.median(ratios):.3f}")
-    if args.json:
-        args.json.write_text(json.dumps({"base": args.base, "rounds": rounds, "ratios": ratios, "medians": med}))
+    print(f"this / base tok/s: {harness.ratio_text(ratio)}")
+    harness.report(args, {"base": args.base, "rounds": rounds, "this_over_base_tok_s": ratio, "medians": med})
     if any(r[n]["errors"] for r in rounds for n in trees):
         sys.exit(1)
 

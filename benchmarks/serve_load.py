@@ -1,6 +1,6 @@
 """Serving under load: concurrent streaming clients over loopback on the `mixed` workload, with cost.
 
-    python benchmarks/serve_load.py [--scale 0.25] [--concurrency 32] [--price-per-hour 1.0] [--json]
+    python -m benchmarks.serve_load [--scale 0.25] [--concurrency 32] [--price-per-hour 1.0] [--json OUT]
 
 Starts each server as a fresh process on 127.0.0.1 (the SmolLM2-135M shape, random weights, bf16), times
 its cold start (spawn to /health 200), then replays the `mixed` workload's requests on their arrival
@@ -19,7 +19,6 @@ starts cold, serves this workload and stops: price x (cold start + wall) / token
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,12 +30,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cold_start import free_port, stop  # noqa: E402
-from benchmarks.throughput import model_dir as bench_model_dir  # noqa: E402
-from benchmarks.throughput import pct  # noqa: E402
-from benchmarks.workloads import REPO, SHARED_BENCH, Request, load_workload  # noqa: E402
+from benchmarks import harness
+from benchmarks.cold_start import free_port, stop
+from benchmarks.throughput import model_dir as bench_model_dir
+from benchmarks.throughput import pct
+from benchmarks.workloads import REPO, SHARED_BENCH, Request, load_workload
 
 
 async def one_request(client: httpx.AsyncClient, r: Request, stream: bool, t0: float) -> dict:
@@ -110,14 +108,13 @@ def run_server(cmd: list[str], env: dict[str, str], port: int, requests: list[Re
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=None)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--scale", type=float, default=0.25, help="fraction of the mixed workload's 128 requests")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--systems", nargs="+", default=["warmstart", "transformers"])
     ap.add_argument("--price-per-hour", type=float, help="instance price, for the cost per million tokens")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     from warmstart.snapshot.build import BuildOptions, build_snapshot
     from warmstart.snapshot.cache import BlobCache
@@ -147,9 +144,6 @@ def main() -> None:
                 r = rows[system]
                 r["usd_per_million_tokens"] = args.price_per_hour * (r["cold_start_s"] + r["wall_s"]) / 3600 / (
                     r["tokens"] / 1e6)
-    if args.json:
-        print(json.dumps({"requests": len(requests), "concurrency": args.concurrency, "rows": rows}))
-        return
     print(f"mixed x {args.scale}: {len(requests)} requests, {rows[args.systems[0]]['tokens']} tokens, "
           f"at most {args.concurrency} clients at once; {args.config.stem} bf16")
     print(f"{'system':<14}{'tok/s':>7}{'gen tok/s':>10}{'TTFT p50':>9}{'p99':>7}{'ITL p50':>8}{'p99':>7}"
@@ -162,6 +156,7 @@ def main() -> None:
               f"{r['itl_p50']:>8.3f}{r['itl_p99']:>7.3f}{r['errors']:>7}{r['cold_start_s']:>7.2f}{cost:>8}{ratio:>7}")
         if r["errors"]:
             print(f"  first errors: {r['first_errors']}")
+    harness.report(args, {"requests": len(requests), "concurrency": args.concurrency, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, side by side, at a controlled acceptance rate.
 
-    python benchmarks/speculative.py [--config ../shared/bench/models/smollm2-135m.json] [--k 4]
-                                     [--noise 0 0.0005 0.002] [--new-tokens 32] [--repeats 3] [--dtype bfloat16]
+    python -m benchmarks.speculative [--config ../shared/bench/models/smollm2-135m.json] [--k 4]
+                                     [--noise 0 0.0005 0.002] [--new-tokens 32] [--rounds 3] [--dtype bfloat16]
 
 Random weights give a random acceptance rate, so the draft is the target itself with its weights perturbed
 by increasing noise (w + noise * std(w) * N(0, 1)): noise 0 is an exact copy, always accepted, which
@@ -18,25 +18,22 @@ the step times measured here.
 
 from __future__ import annotations
 
-import argparse
 import random
-import statistics
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
-from warmstart.runtime import SamplingParams  # noqa: E402
-from warmstart.runtime.engine.engine import LLMEngine  # noqa: E402
-from warmstart.runtime.engine.options import EngineOptions  # noqa: E402
-from warmstart.runtime.models.config import ModelConfig  # noqa: E402
-from warmstart.runtime.models.weights import LayerWeights, ModelWeights, load_weights  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir
+from benchmarks.workloads import SHARED_BENCH
+from warmstart.runtime import SamplingParams
+from warmstart.runtime.engine.engine import LLMEngine
+from warmstart.runtime.engine.options import EngineOptions
+from warmstart.runtime.models.config import ModelConfig
+from warmstart.runtime.models.weights import LayerWeights, ModelWeights, load_weights
 
 PROMPT_TOKENS = 32
 
@@ -102,23 +99,22 @@ def make_engine(config: ModelConfig, weights: ModelWeights, draft: ModelWeights 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=3)
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--noise", type=float, nargs="+", default=[0.0, 0.0005, 0.002])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--adaptive", action="store_true", help="also rows with k adapted per sequence")
-    args = ap.parse_args()
+    args = harness.parse(ap)
 
     path = model_dir(args.config)
     config = ModelConfig.from_dir(path)
     weights = load_weights(path, config, getattr(torch, args.dtype))
     print(f"model {args.config.stem} (random weights, {args.dtype}), k={args.k}, {PROMPT_TOKENS}-token prompts, "
           f"{args.new_tokens} new tokens each, greedy, torch threads {torch.get_num_threads()}; plain and "
-          f"speculative runs alternate, median of {args.repeats}")
+          f"speculative runs alternate, median of {args.rounds}")
     plain = make_engine(config, weights, None, None, args.k)
     print(f"{'proposer':<26}{'batch':>6}{'accept':>8}{'tok/s':>9}{'plain':>9}{'ratio':>8}")
     rows = [(f"draft noise {n:g}", "draft", n, False) for n in args.noise]
@@ -126,6 +122,7 @@ def main() -> None:
         rows += [(f"draft noise {n:g} adapt", "draft", n, True) for n in args.noise if n > 0]
     rows.append(("ngram (repeated prompt)", "ngram", None, False))
     costs: dict[int, tuple[float, float, float]] = {}
+    table: list[dict[str, Any]] = []
     for label, spec, noise, adaptive in rows:
         draft = perturbed(weights, noise) if noise is not None else None
         engine = make_engine(config, weights, draft, spec, args.k, adaptive)
@@ -134,7 +131,7 @@ def main() -> None:
             batch = prompts(b, config.vocab_size, spec == "ngram")
             plain_s, spec_s, propose_s, passes = [], [], [], []
             before = engine.stats()
-            for _ in range(args.repeats):
+            for _ in range(args.rounds):
                 seconds, tokens = run(plain, batch, args.new_tokens)
                 plain_s.append(seconds)
                 drafts, timed = engine.stats().spec_num_drafts, timer.seconds
@@ -146,12 +143,15 @@ def main() -> None:
             drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
             accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
             rate = accepted / drafted if drafted else float("nan")
-            spec_tps, plain_tps = tokens / statistics.median(spec_s), tokens / statistics.median(plain_s)
-            print(f"{label:<26}{b:>6}{rate:>8.2f}{spec_tps:>9.1f}{plain_tps:>9.1f}{spec_tps / plain_tps:>7.2f}x",
+            spec_tps, plain_tps = tokens / harness.median(spec_s), tokens / harness.median(plain_s)
+            ratio = harness.ratio(plain_s, spec_s)
+            table.append({"proposer": label, "batch": b, "acceptance": rate, "tok_s": spec_tps,
+                          "plain_tok_s": plain_tps, "speedup": ratio})
+            print(f"{label:<26}{b:>6}{rate:>8.2f}{spec_tps:>9.1f}{plain_tps:>9.1f}{ratio['median']:>7.2f}x",
                   flush=True)
             if noise == 0.0 and not adaptive:  # all accepted: each step is one pass of k draft steps + a verification
-                i = spec_s.index(statistics.median(spec_s)) if args.repeats % 2 else 0
-                step_s = statistics.median(plain_s) / (args.new_tokens - 1)
+                i = spec_s.index(harness.median(spec_s)) if args.rounds % 2 else 0
+                step_s = harness.median(plain_s) / (args.new_tokens - 1)
                 costs[b] = ((spec_s[i] - propose_s[i]) / passes[i], propose_s[i] / passes[i] / args.k, step_s)
         del engine
 
@@ -162,6 +162,8 @@ def main() -> None:
             print(f"  batch {b}: verifying k+1 tokens costs {verify:.2f} steps, a draft step {draft_step:.2f}")
             print(f"    this draft (same size as the target): {break_even(args.k, verify + args.k * draft_step)}")
             print(f"    free proposals (prompt lookup):        {break_even(args.k, verify)}")
+    harness.report(args, {"model": args.config.stem, "dtype": args.dtype, "k": args.k, "rows": table,
+                          "break_even_costs": costs})
 
 
 class ProposeTimer:

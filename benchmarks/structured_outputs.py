@@ -1,8 +1,8 @@
 """Structured outputs' cost: a batch where half the requests carry a JSON schema against the same batch with
 none, and the grammar engine's compile times, cold and cached.
 
-    python benchmarks/structured_outputs.py [--model ~/.cache/warmstart/models/smollm2] [--batch 16]
-                                            [--new-tokens 64] [--repeats 3] [--dtype bfloat16]
+    python -m benchmarks.structured_outputs [--model ~/.cache/warmstart/models/smollm2] [--batch 16]
+                                            [--new-tokens 64] [--rounds 3] [--dtype bfloat16]
 
 --model defaults to SmolLM2-135M-Instruct as `warmstart prepare-model smollm2` leaves it (its real 49,152-token
 vocabulary is what the masks are computed over), else a random SmolLM2-shaped model. The constrained requests'
@@ -16,17 +16,13 @@ same schema again (the cache), and the per-step cost of one row's mask.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir  # noqa: E402
-from warmstart.runtime import LLM, SamplingParams  # noqa: E402
-from warmstart.runtime.structured_outputs import StructuredOutputsParams  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir
+from warmstart.runtime import LLM, SamplingParams
+from warmstart.runtime.structured_outputs import StructuredOutputsParams
 
 REAL_MODEL = Path.home() / ".cache" / "warmstart" / "models" / "smollm2"
 CONFIG = Path(__file__).resolve().parent / "models" / "smollm2-135m.json"
@@ -89,13 +85,12 @@ def compile_times(llm: LLM) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.arguments(__doc__, rounds=3, warmup=1)
     ap.add_argument("--model", type=Path, default=REAL_MODEL if (REAL_MODEL / "config.json").is_file() else None)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
-    args = ap.parse_args()
+    args = harness.parse(ap)
     model = args.model or model_dir(CONFIG)
     llm = LLM.from_hf(model, dtype=args.dtype, max_num_seqs=args.batch, seed=0)
     times = compile_times(llm)
@@ -104,17 +99,20 @@ def main() -> None:
     assert llm.tokenizer is not None
     prompts = [llm.tokenizer.encode(f"Person number {i}: describe them as JSON with a long biography.")[:24]
                for i in range(args.batch)]
-    run_batch(llm, prompts, args.batch // 2, 4)  # warm-up (and the schema's compile)
-    rates: dict[str, list[float]] = {"none": [], "half": []}
-    for _ in range(args.repeats):  # interleaved, so that a busy machine slows both alike
-        for name, constrained in (("none", 0), ("half", args.batch // 2)):
-            seconds, tokens = run_batch(llm, prompts, constrained, args.new_tokens)
-            rates[name].append(tokens / seconds)
-    none, half = statistics.median(rates["none"]), statistics.median(rates["half"])
-    print(f"batch {args.batch}, {args.new_tokens} new tokens each, median of {args.repeats}:")
-    print(f"  unconstrained      {none:8.1f} tokens/s   runs {' '.join(f'{r:.1f}' for r in rates['none'])}")
-    print(f"  half JSON schema   {half:8.1f} tokens/s   runs {' '.join(f'{r:.1f}' for r in rates['half'])}")
-    print(f"  ratio              {half / none:8.3f}")
+    run_batch(llm, prompts, args.batch // 2, 4)  # the schema's compile, before anything is timed
+
+    def rate(constrained: int) -> float:
+        seconds, tokens = run_batch(llm, prompts, constrained, args.new_tokens)
+        return tokens / seconds
+
+    rates = harness.alternate({"none": lambda: rate(0), "half": lambda: rate(args.batch // 2)}, args.rounds,
+                              args.warmup)  # fmt: skip
+    med, ratio = harness.medians(rates), harness.ratio(rates["half"], rates["none"])
+    harness.report(args, {"model": str(model), "compile": times, "tok_s": rates, "half_over_none": ratio}, [
+        f"batch {args.batch}, {args.new_tokens} new tokens each, median of {args.rounds}:",
+        f"  unconstrained      {med['none']:8.1f} tokens/s   runs {' '.join(f'{r:.1f}' for r in rates['none'])}",
+        f"  half JSON schema   {med['half']:8.1f} tokens/s   runs {' '.join(f'{r:.1f}' for r in rates['half'])}",
+        f"  ratio (half / none) {harness.ratio_text(ratio)}"])
 
 
 if __name__ == "__main__":

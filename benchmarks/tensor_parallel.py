@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU: per-step time split into compute and communication at 1 and 2 ranks, the
 head split by vocabulary against a replicated one, and the bytes each rank pulls at cold start.
 
-    python benchmarks/tensor_parallel.py [--model qwen2.5-0.5b] [--batch 8] [--prompt 128] [--steps 8] [--rounds 2]
+    python -m benchmarks.tensor_parallel [--model qwen2.5-0.5b] [--batch 8] [--prompt 128] [--steps 8] [--rounds 2]
 
 Qwen2.5-0.5B shape (random weights, bf16; SmolLM2-135M's 3 KV heads do not split in 2). Each round runs, one after
 the other, one process with 2 torch threads (1 rank, the alternative on these 2 cores), one with 1 thread, and
@@ -20,18 +20,15 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.throughput import model_dir  # noqa: E402
-from benchmarks.workloads import SHARED_BENCH  # noqa: E402
+from benchmarks import harness
+from benchmarks.throughput import model_dir
+from benchmarks.workloads import SHARED_BENCH
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,8 +77,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             comm[k].append(getattr(group.stats, k) - b if group else 0.0)
     if group is not None:
         group.stop_followers()
-    return {"prefill_s": prefill, "step_s": statistics.median(steps),
-            **{k: statistics.median(v) for k, v in comm.items()}}
+    return {"prefill_s": prefill, "step_s": harness.median(steps),
+            **{k: harness.median(v) for k, v in comm.items()}}
 
 
 def run_group(args: argparse.Namespace, world: int, threads: int, replicated_head: bool = False) -> dict[str, Any]:
@@ -89,9 +86,10 @@ def run_group(args: argparse.Namespace, world: int, threads: int, replicated_hea
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)}
-    base = [sys.executable, __file__, "--worker", "--model", args.model, "--batch", str(args.batch), "--prompt",
-            str(args.prompt), "--steps", str(args.steps), "--world", str(world), "--threads", str(threads),
-            *(["--replicated-head"] if replicated_head else [])]
+    base = harness.module_command("benchmarks.tensor_parallel", "--worker", "--model", args.model, "--batch",
+                                  str(args.batch), "--prompt", str(args.prompt), "--steps", str(args.steps), "--world",
+                                  str(world), "--threads", str(threads),
+                                  *(["--replicated-head"] if replicated_head else []))
     procs = [subprocess.Popen([*base, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
              for r in range(world)]
     outs = [p.communicate()[0] for p in procs]
@@ -114,19 +112,18 @@ def snapshot_bytes(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=2)
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--bytes", action="store_true", help="also build snapshots and print bytes pulled per rank")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--replicated-head", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = harness.parse(ap)
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -134,12 +131,11 @@ def main() -> None:
     one, one_thread = "1 rank, 2 threads", "1 rank, 1 thread"
     split, whole = "2 ranks, head split", "2 ranks, head whole"
     runs: dict[str, list[dict[str, Any]]] = {one: [], one_thread: [], split: [], whole: []}
+    groups = {one: (1, 2, False), one_thread: (1, 1, False), split: (2, 1, False), whole: (2, 1, True)}
     for _ in range(args.rounds):
-        runs[one].append(run_group(args, 1, 2))
-        runs[one_thread].append(run_group(args, 1, 1))
-        runs[split].append(run_group(args, 2, 1))
-        runs[whole].append(run_group(args, 2, 1, replicated_head=True))
-    med = statistics.median
+        for label, (world, threads, replicated) in groups.items():
+            runs[label].append(run_group(args, world, threads, replicated_head=replicated))
+    med = harness.median
     print(f"{args.model}, bf16, batch {args.batch} x {args.prompt}-token prompts, {args.steps} decode steps, "
           f"{args.rounds} rounds (medians); 2 ranks: 1 thread each")
     print(f"{'':<22}{'prefill ms':>11}{'decode ms':>11}{'all-reduce':>12}{'gather':>8}{'broadcast':>11}"
@@ -150,10 +146,15 @@ def main() -> None:
         comm = red + gat + bc
         print(f"{label:<22}{med(r['prefill_s'] for r in rs) * 1e3:>11.1f}{step * 1e3:>11.1f}{red * 1e3:>12.1f}"
               f"{gat * 1e3:>8.1f}{bc * 1e3:>11.1f}{(step - comm) * 1e3:>9.1f}{comm / step:>12.0%}")
-    step_of = {label: med(r["step_s"] for r in rs) for label, rs in runs.items()}
-    print(f"decode step, 2 ranks (head split) vs 1 rank: {step_of[one] / step_of[split]:.2f}x (2 threads), "
-          f"{step_of[one_thread] / step_of[split]:.2f}x (1 thread); head split vs whole at 2 ranks: "
-          f"{step_of[whole] / step_of[split]:.2f}x (>1: the first is faster)")
+    steps = {label: [r["step_s"] for r in rs] for label, rs in runs.items()}
+    ratios = {"split_vs_one_rank_2_threads": harness.ratio(steps[one], steps[split]),
+              "split_vs_one_rank_1_thread": harness.ratio(steps[one_thread], steps[split]),
+              "split_vs_whole_head": harness.ratio(steps[whole], steps[split])}
+    print(f"decode step, 2 ranks (head split) vs 1 rank: {ratios['split_vs_one_rank_2_threads']['median']:.2f}x "
+          f"(2 threads), {ratios['split_vs_one_rank_1_thread']['median']:.2f}x (1 thread); head split vs whole at "
+          f"2 ranks: {ratios['split_vs_whole_head']['median']:.2f}x (>1: the first is faster; medians of the rounds)")
+    harness.report(args, {"model": args.model, "batch": args.batch, "prompt": args.prompt, "steps": args.steps,
+                          "runs": runs, "ratios": ratios})
     if args.bytes:
         snapshot_bytes(args)
 

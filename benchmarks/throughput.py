@@ -1,6 +1,6 @@
 """Throughput of warmstart's engine against transformers (and vLLM / llama.cpp where installed), side by side.
 
-    python benchmarks/throughput.py [--workload mixed shared-prefix] [--rounds 1] [--scale 1.0]
+    python -m benchmarks.throughput [--workload mixed shared-prefix] [--rounds 1] [--scale 1.0]
 
 Each system runs in a fresh subprocess on the same random-weight model (SmolLM2-135M shape, bf16) and the
 same requests (../shared/bench/workloads.json), one after the other, round after round; medians and the
@@ -21,16 +21,13 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.workloads import SHARED_BENCH, Request, load_workload, read_requests, save_requests  # noqa: E402
+from benchmarks import harness
+from benchmarks.workloads import SHARED_BENCH, Request, load_workload, read_requests, save_requests
 
 PEERS = {
     "vllm": ("WARMSTART_VLLM_PYTHON", Path("/work/peers/vllm/.venv/bin/python"), "run_vllm.py"),
@@ -167,12 +164,12 @@ def run_system(system: str, model: Path, requests_path: Path, args: argparse.Nam
         cmd = [str(python), str(Path(__file__).parent / "peers" / script), "--model-dir", str(model),
                "--requests", str(requests_path), "--out", str(out), "--max-num-seqs", str(args.max_num_seqs)]
     else:
-        cmd = [sys.executable, __file__, "--worker", system, "--model-dir", str(model),
-               "--requests", str(requests_path), "--out", str(out),
-               "--max-num-seqs", str(args.max_num_seqs), "--hf-batch", str(args.hf_batch),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        cmd = harness.module_command("benchmarks.throughput", "--worker", system, "--model-dir", str(model),
+                                     "--requests", str(requests_path), "--out", str(out),
+                                     "--max-num-seqs", str(args.max_num_seqs), "--hf-batch", str(args.hf_batch),
+                                     "--max-num-batched-tokens", str(args.max_num_batched_tokens))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=harness.REPO)
     if proc.returncode != 0:
         print(f"  {system}: failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         return None
@@ -187,21 +184,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.arguments(__doc__, rounds=1)
     ap.add_argument("--workload", nargs="+", default=["mixed", "shared-prefix"])
     ap.add_argument("--systems", nargs="+", default=["warmstart", "transformers", "vllm", "llama.cpp"])
     ap.add_argument("--config", type=Path, default=SHARED_BENCH / "models" / "smollm2-135m.json")
-    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests to run")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--requests", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = harness.parse(ap)
     if args.worker:
         return worker(args)
 
@@ -227,7 +222,7 @@ def main() -> None:
             for system, results in runs.items():
                 if not results:
                     continue
-                wall = statistics.median(r["wall_s"] for r in results)
+                wall = harness.median(r["wall_s"] for r in results)
                 last = results[-1]
                 rows[system] = {
                     "engine": last["engine"], "wall_s": wall, "total_tok_s": tokens / wall,
@@ -247,8 +242,7 @@ def main() -> None:
                       f"{row['tpot_p99_s']:>8.3f}{row['peak_rss_mib'] or 0:>9.0f}")
             print("  ratio = warmstart tok/s / this system's tok/s")
             report[workload] = rows
-    if args.json:
-        print(json.dumps(report, indent=2))
+    harness.report(args, report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """warmstart against llama.cpp on this machine, side by side: prefill, batch-1 decode, ratios, the ISA.
 
-    OMP_NUM_THREADS=2 python benchmarks/vs_llamacpp.py [--isa native|avx2] [--rounds 3] [--model-dir DIR]
+    OMP_NUM_THREADS=2 python -m benchmarks.vs_llamacpp [--isa native|avx2] [--rounds 3] [--model-dir DIR]
         [--new-tokens 128] [--json OUT]
 
 Prints the CPU's vector flags (/proc/cpuinfo), the instruction set our kernels have and run at
@@ -33,16 +33,14 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.prefill import Worker, default_model_dir  # noqa: E402
+from benchmarks import harness
+from benchmarks.prefill import Worker, default_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = REPO / "benchmarks" / "peers"
@@ -88,18 +86,16 @@ def decode_worker(model_dir: Path) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         ms = engines[job["format"]].token_ms([job["prompt"]], job["new_tokens"])
-        print(json.dumps({"ms": statistics.median(ms)}), flush=True)
+        print(json.dumps({"ms": harness.median(ms)}), flush=True)
 
 
 # -- the driver -----------------------------------------------------------------------------------------------
 
 
 def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
-    have = " ".join(f for f in FLAGS if f in flags)
-    return f"{model}, {os.cpu_count()} CPUs; flags: {have}; lacks: {' '.join(f for f in FLAGS if f not in flags)}"
+    _, flags = harness.cpu_flags(Path("/proc/cpuinfo").read_text())
+    lacks = " ".join(f for f in FLAGS if f not in flags)
+    return f"{' '.join(f for f in FLAGS if f in flags)}; lacks: {lacks}"
 
 
 def peer(python: Path, env: dict[str, str], script: str, *args: str) -> dict[str, Any]:
@@ -125,19 +121,17 @@ def llama_prefill(python: Path, env: dict[str, str], model: Path, prompts: list[
 def llama_decode(python: Path, env: dict[str, str], model: Path, prompt: list[int], n: int, outtype: str) -> dict:
     r = peer(python, env, "decode_llamacpp.py", "--model-dir", str(model), "--prompt", ",".join(map(str, prompt)),
              "--new-tokens", str(n), "--outtype", outtype)  # fmt: skip
-    return {"ms": statistics.median(r["token_ms"]), "mb": os.path.getsize(r["gguf"]) / 1e6}
+    return {"ms": harness.median(r["token_ms"]), "mb": os.path.getsize(r["gguf"]) / 1e6}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.arguments(__doc__, rounds=3)
     p.add_argument("--isa", choices=("native", "avx2"), default="native")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--model-dir", type=Path)
     p.add_argument("--llamacpp-python", type=Path)
-    p.add_argument("--json", type=Path, help="write every round here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.worker:
         decode_worker(args.model_dir)
         return 0
@@ -149,16 +143,17 @@ def main() -> int:
     if not python.is_file():
         raise SystemExit(f"no llama.cpp venv at {python}: see benchmarks/peers/README.md")
 
-    print(f"machine: {cpu_line()}")
+    print(f"vector flags: {cpu_line()}")
     print(f"mode: --isa {args.isa}" + (f" (ours under {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())})"
                                        if args.isa == "avx2" else "") + f"; OMP_NUM_THREADS={base['OMP_NUM_THREADS']}")
     sysinfo = subprocess.run([str(python), "-c", "import llama_cpp as l; print(l.__version__, "
                               "l.llama_print_system_info().decode().strip())"], env=llama_env, capture_output=True,
                              text=True, check=True).stdout.strip()  # fmt: skip
     print(f"llama.cpp ({python}): llama-cpp-python {sysinfo}", flush=True)
-    prefill = Worker("prefill", [sys.executable, str(REPO / "benchmarks/prefill.py"), "--worker", "--model-dir",
-                                 str(model), "--max-num-batched-tokens", "2048"], ours_env)  # fmt: skip
-    decode = Worker("decode", [sys.executable, __file__, "--worker", "--model-dir", str(model)], ours_env)
+    prefill = Worker("prefill", harness.module_command("benchmarks.prefill", "--worker", "--model-dir", str(model),
+                                                       "--max-num-batched-tokens", "2048"), ours_env)  # fmt: skip
+    decode = Worker("decode", harness.module_command("benchmarks.vs_llamacpp", "--worker", "--model-dir", str(model)),
+                    ours_env)
     if not (prefill.wait_ready() and decode.wait_ready()):
         return 1
     info = decode.info
@@ -201,21 +196,19 @@ def main() -> int:
         for w in (prefill, decode):
             w.close()
     report(rounds, mb)
-    if args.json:
-        args.json.write_text(json.dumps({"isa": args.isa, "rounds": rounds, "mb": mb, "ours": info,
-                                         "llamacpp": sysinfo}, indent=2))
+    harness.report(args, {"isa": args.isa, "rounds": rounds, "mb": mb, "ours": info, "llamacpp": sysinfo})
     return 0
 
 
 def report(rounds: list[dict[str, float]], mb: dict[str, float]) -> None:
     def med(key: str) -> float:
-        return statistics.median(r[key] for r in rounds)
+        return harness.median(r[key] for r in rounds)
 
     def line(what: str, ours: str, theirs: str, faster: list[float], unit: str) -> None:
         per = ", ".join(f"{x:.2f}" for x in faster)
         mine, peer = [r[ours] for r in rounds], [r[theirs] for r in rounds]  # each side's quietest round:
         quiet = min(peer) / min(mine) if unit == "ms/token" else max(mine) / max(peer)
-        print(f"| {what} | {med(ours):,.1f} | {med(theirs):,.1f} | {statistics.median(faster):.2f}x ({per}) | "
+        print(f"| {what} | {med(ours):,.1f} | {med(theirs):,.1f} | {harness.median(faster):.2f}x ({per}) | "
               f"{quiet:.2f}x | {unit} |")
 
     print(f"\n{len(rounds)} rounds; medians; 'x faster' = ours' speed / llama.cpp's, the median of the per-round "

@@ -19,9 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from run_llamacpp import OUTTYPES, _gguf_for  # noqa: E402
+from run_llamacpp import OUTTYPES, _gguf_for  # run as a file, so its folder is on the path
 
 
 def main() -> int:

@@ -31,8 +31,8 @@ from warmstart.runtime.timeline import Timeline
 
 # Fixed cost of one more decode group, in KV blocks' worth of attention work, where decode attention pads
 # every sequence to the longest of its group (the gather path of runtime/layers/attention.py): a group costs a few
-# ops per layer. benchmarks/decode_groups.py (40 sequences, prompts of 8-1024 tokens, SmolLM2-135M, bf16, 2 cores):
-# one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
+# ops per layer. Measured (docs/BENCHMARKS.md, decode groups; 40 sequences, prompts of 8-1024 tokens, SmolLM2-135M,
+# bf16, 2 cores): one group 297 ms a step, split at 32 / 64 / 128 blocks 237 / 254 / 225 ms.
 DECODE_GROUP_COST_BLOCKS = 128
 GRAPHS_ENV = "WARMSTART_CUDA_GRAPHS"  # "0": no CUDA graphs for decode on the CUDA path
 

@@ -4,7 +4,7 @@ A random draw inverts each row's CDF at one uniform number (see ``inverse_cdf``:
 to float32 precision, even at probability 1e-9), which samples from p and lets each seeded request draw
 from its own generator: the same seed gives the same tokens whatever else shares the batch. It replaced the
 exponential race (argmax of p / E, E ~ Exp(1)), which draws a random number per vocabulary entry:
-benchmarks/sampler.py measured it 47x slower, 44.1 against 0.93 ms for 40 rows of a 49k vocabulary.
+docs/BENCHMARKS.md ("Sampling") measured it 47x slower, 44.1 against 0.93 ms for 40 rows of a 49k vocabulary.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     In two levels: the chunk of ``CDF_CHUNK`` tokens holding the point, by a float64 cumulative sum of the
     chunks' masses, then the token at the same fraction of that chunk's float64 cumulative sum. Each token's
     share is then right to the float32 rounding of its chunk's sum, a relative error of about 1e-7 (the
-    probabilities themselves are float32), however small the token's probability. benchmarks/sampler.py: 0.93
+    probabilities themselves are float32), however small the token's probability. docs/BENCHMARKS.md: 0.93
     against 6.86 ms for one float64 cumulative sum over the whole row (40 rows of 49k tokens)."""
     rows, vocab = probs.shape
     chunk = min(CDF_CHUNK, vocab)

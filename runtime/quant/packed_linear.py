@@ -2,7 +2,7 @@
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it reorders into its blocked layout on every call.
 Reordering once when the engine starts measured 1.05-2.4x faster per matmul at 1-256 rows with SmolLM2-135M's
-shapes (benchmarks/packed_linear.py; bf16, 2 AVX-512 cores; most at few rows), with bit-identical results, for
+shapes (docs/BENCHMARKS.md, packed_linear; bf16, 2 AVX-512 cores; most at few rows), with bit-identical results, for
 about 100 ms of reordering for SmolLM2-135M, done in the background after start.
 
 A bf16 model packs bf16 where the CPU has AVX512-BF16's dot products (``packing_dtype`` in runtime/layers/linear.py

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 DryRun = tuple[subprocess.CompletedProcess[str], dict, Path]
@@ -20,7 +20,7 @@ DryRun = tuple[subprocess.CompletedProcess[str], dict, Path]
 
 def dry_run(out: Path, *args: str, timeout: int = 300) -> tuple[subprocess.CompletedProcess[str], dict]:
     done = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out), *args],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     report = json.loads((out / "gpu_check-dry.json").read_text()) if (out / "gpu_check-dry.json").is_file() else {}

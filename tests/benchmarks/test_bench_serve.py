@@ -20,7 +20,7 @@ from benchmarks.bench_serve import (
     summarize,
 )
 
-RESULT = Path(__file__).resolve().parent / "fixtures" / "vllm_bench_serve_result.json"
+RESULT = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_bench_serve_result.json"
 
 
 def row(output_tok_s: float, ttft_ms: float, tpot_ms: float, failed: int = 0) -> dict[str, Any]:
