@@ -46,7 +46,8 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES", "SPECIAL_TOKENS", "CHATML_TEMPLATE", "make_random_model", "perturb_model", "main"
 ]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Olmo2ForCausalLM")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEFAULT_TOKENIZER_VOCAB = 2048
 LOGIT_STD = 2.0
@@ -94,7 +95,7 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
         arch = str(archs[0])
     else:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
         arch = by_type.get(str(cfg.get("model_type", "")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -119,7 +120,7 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         qkv_bias, o_bias, mlp_bias = True, False, False
     elif arch == "MistralForCausalLM":
         qkv_bias = o_bias = mlp_bias = False
-    elif arch == "Qwen3ForCausalLM":
+    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = False
     else:  # Llama
@@ -129,8 +130,9 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
     specs = [_Param("model.embed_tokens.weight", (vocab, hidden), "head" if tied else "embed")]
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        specs.append(_Param(p + "input_layernorm.weight", (hidden,), "norm"))
         q_out, kv_out = n_heads * head_dim, n_kv * head_dim
+        if arch != "Olmo2ForCausalLM":  # OLMo 2 normalizes each block's output instead of its input
+            specs.append(_Param(p + "input_layernorm.weight", (hidden,), "norm"))
         for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
             kind = "linear" if proj == "v_proj" else "qk"
             specs.append(_Param(f"{p}self_attn.{proj}.weight", (out, hidden), kind))
@@ -142,6 +144,9 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         if arch == "Qwen3ForCausalLM":
             specs.append(_Param(p + "self_attn.q_norm.weight", (head_dim,), "qk_norm"))
             specs.append(_Param(p + "self_attn.k_norm.weight", (head_dim,), "qk_norm"))
+        elif arch == "Olmo2ForCausalLM":  # over all heads at once
+            specs.append(_Param(p + "self_attn.q_norm.weight", (q_out,), "qk_norm"))
+            specs.append(_Param(p + "self_attn.k_norm.weight", (kv_out,), "qk_norm"))
         specs.append(_Param(p + "post_attention_layernorm.weight", (hidden,), "norm"))
         mlp = (("gate_proj", inter, hidden, "linear"), ("up_proj", inter, hidden, "linear"),
                ("down_proj", hidden, inter, "out"))
@@ -149,6 +154,8 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
             specs.append(_Param(f"{p}mlp.{proj}.weight", (out, fan_in), kind))
             if mlp_bias:
                 specs.append(_Param(f"{p}mlp.{proj}.bias", (out,), "bias"))
+        if arch == "Olmo2ForCausalLM":
+            specs.append(_Param(p + "post_feedforward_layernorm.weight", (hidden,), "norm"))
     specs.append(_Param("model.norm.weight", (hidden,), "norm"))
     if not tied:
         specs.append(_Param("lm_head.weight", (vocab, hidden), "head"))

@@ -67,6 +67,9 @@ class TensorParallelError(ValueError):
 def check_divisible(config: ModelConfig, world: int) -> None:
     if world < 1:
         raise TensorParallelError(f"--tensor-parallel must be >= 1, got {world}")
+    if world > 1 and config.reordered_norms:
+        raise TensorParallelError(f"{config.architecture}'s q/k norms span all heads, which a rank holds only part "
+                                  "of; serve it with --tensor-parallel 1")
     for what, n in (("num_key_value_heads", config.num_kv_heads), ("num_attention_heads", config.num_heads),
                     ("intermediate_size", config.intermediate_size)):
         if n % world:
@@ -121,6 +124,7 @@ def shard_weights(weights: ModelWeights, config: ModelConfig, rank: int, world: 
             post_norm=layer.post_norm,
             gate_up=_rows(layer.gate_up, ((rank * inter, inter), (c.intermediate_size + rank * inter, inter))),
             down=_columns(layer.down, rank * inter, inter),
+            mlp_out_norm=layer.mlp_out_norm,
         ))
     return ModelWeights(embed=weights.embed, layers=layers, norm=weights.norm, lm_head=weights.lm_head)
 

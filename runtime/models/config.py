@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -40,6 +41,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     qkv_bias: bool
     qk_norm: bool
+    # OLMo 2's reordered norms: on each block's output before the residual add (none on its input), q/k norms over
+    # all heads at once (before the split into heads), every norm's weight multiplied in float32, rope in float32.
+    reordered_norms: bool
     tie_word_embeddings: bool
     # One entry per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...]
@@ -95,6 +99,8 @@ class ModelConfig:
             raise ModelConfigError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
         if raw.get("mlp_bias"):
             raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
+        if family == "olmo2" and raw.get("attention_bias"):
+            raise ModelConfigError(f"{source}: attention_bias=true is not supported for {arch} (its o_proj bias)")
 
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
         rope_theta = float(raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0)
@@ -126,7 +132,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias")),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "olmo2"),
+            reordered_norms=family == "olmo2",
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(raw, family, num_layers),
             bos_token_id=raw.get("bos_token_id"),

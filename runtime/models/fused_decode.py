@@ -58,6 +58,8 @@ class FusedDecode:
         if c.head_dim % 2 or not decode_kernel_serves(embed.device, embed.dtype, c.num_heads // c.num_kv_heads,
                                                       c.head_dim):  # fmt: skip
             return None
+        if c.reordered_norms:
+            return None
         for layer in weights.layers:
             if layer.q_norm is not None or any(plain_weight(getattr(layer, f)) is None for f in LINEAR_FIELDS):
                 return None
@@ -109,6 +111,7 @@ class FusedDecode:
             for i, layer in enumerate(self.weights.layers):
                 qkv, o_proj, gate_up, down = weights[4 * i : 4 * i + 4]
                 assert qkv is not None and o_proj is not None and gate_up is not None and down is not None
+                assert layer.input_norm is not None  # for_model refuses reordered norms
                 cache = kv_caches[i]
                 assert cache.is_contiguous() and cache.dtype == torch.bfloat16
                 bias = 0 if layer.qkv_bias is None else layer.qkv_bias.data_ptr()

@@ -1,13 +1,15 @@
-"""The decoder: one implementation for Llama, Mistral, Qwen2 and Qwen3, over a flat batch of tokens.
+"""The decoder: one implementation for Llama, Mistral, Qwen2, Qwen3 and OLMo 2, over a flat batch of tokens.
 
 Every operation mirrors transformers' arithmetic (norms in float32, residuals in the model dtype, rotary
-tables cast to the model dtype) so that float32 outputs match it to rounding.
+tables cast to the model dtype; OLMo 2 keeps its norm weights' products and its rotary in float32) so that
+float32 outputs match it to rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +18,9 @@ from warmstart.runtime.kernels import cpu_lora
 from warmstart.runtime.layers import lora as torch_lora
 from warmstart.runtime.layers.attention import AttentionMetadata
 from warmstart.runtime.layers.lora import LoraStep
+from warmstart.runtime.layers.norm import rms_norm_weighted_in_float32
 from warmstart.runtime.layers.ops import select_ops
-from warmstart.runtime.layers.rotary import RotaryTables
+from warmstart.runtime.layers.rotary import RotaryTables, apply_rotary
 from warmstart.runtime.models.config import ModelConfig, rope_inv_freq
 from warmstart.runtime.models.fused_decode import FusedDecode
 from warmstart.runtime.models.weights import ModelWeights
@@ -38,7 +41,9 @@ class Model:
         self.weights = weights
         self.dtype = weights.embed.dtype
         device = self.device = weights.embed.device
-        self.rotary = RotaryTables(*rope_inv_freq(config), max_positions, self.dtype, device)
+        self.reordered = config.reordered_norms
+        rotary_dtype = torch.float32 if self.reordered else self.dtype
+        self.rotary = RotaryTables(*rope_inv_freq(config), max_positions, rotary_dtype, device)
         self.ops = select_ops(device, self.dtype, (config.num_heads // config.num_kv_heads, config.head_dim))
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
@@ -103,20 +108,22 @@ class Model:
                 if logits is not None:
                     return logits
             return self._logits(fused.run(x.contiguous(), positions, kv_caches, meta), logits_index)
-        rotary = ops.rotary_args(self.rotary, positions)
+        rotary = self.rotary.lookup(positions) if self.reordered else ops.rotary_args(self.rotary, positions)
         last = len(w.layers) - 1
         rows: torch.Tensor | None = logits_index
         for i, layer in enumerate(w.layers):
-            h = ops.rms_norm(x, layer.input_norm, eps)
+            h = x if layer.input_norm is None else ops.rms_norm(x, layer.input_norm, eps)
             qkv = linear(h, i, "qkv", layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            if self.reordered and layer.q_norm is not None and layer.k_norm is not None:  # over all heads at once
+                q, k = self.norm(q, layer.q_norm), self.norm(k, layer.k_norm)
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
             v = v.view(n, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
+            if not self.reordered and layer.q_norm is not None and layer.k_norm is not None:
                 q = ops.rms_norm(q, layer.q_norm, eps)
                 k = ops.rms_norm(k, layer.k_norm, eps)
-            q, k = ops.rotary(q, k, rotary)
+            q, k = self.rotate(q, k, rotary)
             ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
             attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
             if i == last and self.wanted_rows_only and lora is None and not self.sharded and logits_index.numel() < n:
@@ -125,15 +132,34 @@ class Model:
                 # Not for a LoRA step (its rows map to adapters) or a tensor-parallel shard (ranks that see another
                 # logits_index would all-reduce tensors of other sizes).
                 attn, x, rows = attn[logits_index], x[logits_index], None
-            h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
-            x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
+            if layer.mlp_out_norm is not None:  # reordered: each block's output normalized, then added
+                x = x + self.norm(self.reduce(linear(attn, i, "o_proj")), layer.post_norm)
+                mlp = self.reduce(linear(ops.silu_and_mul(linear(x, i, "gate_up")), i, "down"))
+                x = x + self.norm(mlp, layer.mlp_out_norm)
+            else:
+                h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
+                x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
         if hidden:
-            return ops.rms_norm(x if rows is None else x[rows], w.norm, eps).float()
+            return self.norm(x if rows is None else x[rows], w.norm).float()
         return self._logits(x, rows)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k at their positions (``rotary``: the step's rotary arguments); OLMo 2's in float32 (its tables'
+        dtype), rounded once."""
+        if not self.reordered:
+            return self.ops.rotary(q, k, rotary)
+        q32, k32 = apply_rotary(q, k, *rotary)
+        return q32.to(q.dtype), k32.to(k.dtype)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm (OLMo 2's multiplies the weight in float32)."""
+        if self.reordered:
+            return rms_norm_weighted_in_float32(x, weight, self.config.rms_norm_eps)
+        return self.ops.rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Float32 logits of x's ``rows`` (None: every row)."""
-        h = self.ops.rms_norm(x if rows is None else x[rows], self.weights.norm, self.config.rms_norm_eps)
+        h = self.norm(x if rows is None else x[rows], self.weights.norm)
         return self.gather_logits(self.ops.linear(h, self.weights.lm_head).float())
 
 

@@ -27,15 +27,16 @@ LINEAR_FIELDS = ("qkv", "o_proj", "gate_up", "down")  # a layer's matrices, whic
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None with reordered norms (OLMo 2), which normalize the blocks' outputs
     qkv: LinearWeight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim], or [q_size] with reordered norms
     k_norm: torch.Tensor | None
     o_proj: LinearWeight
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # after attention: on the residual sum, or with reordered norms on o_proj's output
     gate_up: LinearWeight  # [2 * intermediate, hidden]
     down: LinearWeight
+    mlp_out_norm: torch.Tensor | None = None  # reordered norms: on the MLP's output
 
 
 @dataclass
@@ -132,13 +133,14 @@ def convert_weights(
         return torch.cat(parts, dim=0).contiguous()
 
     h, d = c.hidden_size, c.head_dim
+    q_norm_shape, k_norm_shape = ((c.q_size,), (c.kv_size,)) if c.reordered_norms else ((d,), (d,))
     layers = []
     for i in range(c.num_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
         layers.append(
             LayerWeights(
-                input_norm=get(p + "input_layernorm.weight", (h,)),
+                input_norm=None if c.reordered_norms else get(p + "input_layernorm.weight", (h,)),
                 qkv=fused(
                     get(a + "q_proj.weight", (c.q_size, h)),
                     get(a + "k_proj.weight", (c.kv_size, h)),
@@ -151,8 +153,8 @@ def convert_weights(
                 )
                 if c.qkv_bias
                 else None,
-                q_norm=get(a + "q_norm.weight", (d,)) if c.qk_norm else None,
-                k_norm=get(a + "k_norm.weight", (d,)) if c.qk_norm else None,
+                q_norm=get(a + "q_norm.weight", q_norm_shape) if c.qk_norm else None,
+                k_norm=get(a + "k_norm.weight", k_norm_shape) if c.qk_norm else None,
                 o_proj=get(a + "o_proj.weight", (h, c.q_size)),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
                 gate_up=fused(
@@ -160,6 +162,7 @@ def convert_weights(
                     get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
                 ),
                 down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+                mlp_out_norm=get(p + "post_feedforward_layernorm.weight", (h,)) if c.reordered_norms else None,
             )
         )
     embed = get("embed_tokens.weight", (c.vocab_size, h))

@@ -97,3 +97,63 @@ def test_decode_split_into_length_groups_matches(tiny_model_dir, family: str, mo
     _, outs = run(model_dir, prompts, block_size=8, num_kv_blocks=256)
     assert max(calls) > 1
     assert_all_match(model_dir, prompts, outs)
+
+
+
+def test_olmo2_norm_and_rotary_round_as_transformers_in_bfloat16(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """OLMo 2 keeps more in float32 than Llama: its norms multiply their weight before rounding, its rotary runs in
+    float32 tables. In bfloat16 ours equal transformers' modules bit for bit (the whole model then differs only
+    by the order of the matmuls' sums, which the next test bounds)."""
+    import torch
+    from transformers.models.olmo2 import modeling_olmo2 as olmo2
+
+    from warmstart.runtime.models.config import ModelConfig
+    from warmstart.runtime.models.model import Model
+    from warmstart.runtime.models.weights import load_weights
+    from warmstart.runtime.random_model import make_random_model
+
+    config = ModelConfig.from_dict(FAMILIES["olmo2"])
+    model_dir = make_random_model(tmp_path, FAMILIES["olmo2"], seed=0, dtype="bfloat16")
+    model = Model(config, load_weights(model_dir, config, torch.bfloat16), max_positions=1024)
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 256, generator=gen) * 3).bfloat16()  # hidden 256 differs from the model's: norm is per call
+    norm = olmo2.Olmo2RMSNorm(256, eps=config.rms_norm_eps).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(256, generator=gen))
+        assert torch.equal(model.norm(x, norm.weight), norm(x))
+
+    hf_config = olmo2.Olmo2Config(**{k: v for k, v in FAMILIES["olmo2"].items() if k != "architectures"})
+    positions = torch.tensor([0, 3, 17, 500])
+    cos, sin = olmo2.Olmo2RotaryEmbedding(hf_config)(x, positions[None])
+    q = torch.randn(4, config.num_heads, config.head_dim, generator=gen).bfloat16()
+    k = torch.randn(4, config.num_kv_heads, config.head_dim, generator=gen).bfloat16()
+    want_q, want_k = olmo2.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    got_q, got_k = model.rotate(q, k, model.rotary.lookup(positions))
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+def test_olmo2_in_bfloat16_drifts_from_float32_as_transformers_does(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The whole OLMo 2 model in bfloat16: our last-position logits are no further from transformers' float32 ones
+    than 1.5 times transformers' own bfloat16 logits are (benchmarks/bf16_drift.py's criterion)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from warmstart.runtime.engine.model_runner import Chunk
+    from warmstart.runtime.random_model import make_random_model
+
+    config = {**FAMILIES["olmo2"], "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "num_hidden_layers": 4}
+    model_dir = make_random_model(tmp_path / "olmo2", config, seed=0, dtype="bfloat16")
+    prompts = [p[:60] for p in make_prompts(config["vocab_size"])[-3:]]
+
+    def transformers_logits(dtype: torch.dtype) -> list[torch.Tensor]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        with torch.no_grad():
+            return [model(torch.tensor([p])).logits[0, -1].float() for p in prompts]
+
+    engine = LLM.from_hf(model_dir, dtype="bfloat16", num_kv_blocks=8, block_size=16, prepack_weights=False).engine
+    ours = [engine.runner.forward([Chunk(list(range(4)), p, 0, 1)])[0].float() for p in prompts]
+    reference, theirs = transformers_logits(torch.float32), transformers_logits(torch.bfloat16)
+    for r, t, o in zip(reference, theirs, ours, strict=True):
+        assert (o - r).abs().max() < 1.5 * (t - r).abs().max()

@@ -41,7 +41,7 @@ def prefix_files(tmp_path: Path) -> list[PrefixSpec]:
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
 def test_snapshot_outputs_equal_the_hf_directory(tiny_model_dir, tmp_path: Path, family: str) -> None:
     model_dir = tiny_model_dir(family)
     built, _, store = build_and_push(model_dir, tmp_path)

@@ -127,4 +127,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "vocab_size": 1024,
     },
+    # Reordered norms: on each block's output (no input norm), q/k norms over all heads at once, GQA ratio 2.
+    "olmo2": {
+        **_COMMON,
+        "architectures": ["Olmo2ForCausalLM"],
+        "model_type": "olmo2",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": 832,
+    },
 }
