@@ -8,7 +8,7 @@ the same snapshot id.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,9 @@ def build_snapshot(
     options: BuildOptions,
     cache: BlobCache,
     log: Callable[[str], None] = lambda _: None,
+    origin: Mapping[str, str] | None = None,
 ) -> BuiltSnapshot:
+    """``origin``: where the model directory came from (a hub id and its revision), kept in the provenance."""
     options.validate()
     options = replace(options, dtype=stored_dtype(options.dtype))
     model_dir = Path(model_dir)
@@ -154,6 +156,8 @@ def build_snapshot(
                         "block_size": options.block_size, "lora": options.lora is not None},
         },
     }
+    if origin:  # absent for a local directory, so that its ids stay what they were
+        data["provenance"]["model"] = dict(origin)
     if loras:  # LoRA adapters served unmerged (snapshot/lora.py); absent otherwise, so older ids stay the same
         data["loras"] = loras
     if generation_config is not None:  # the model's extra EOS ids and recommended sampling (serve applies them)

@@ -47,5 +47,5 @@ def resolve_ref(store: Store, ref: str) -> str:
         hint += "no snapshots"
     build = "build one with `warmstart build MODEL_DIR --tag NAME`"
     if "/" in ref and not ref.startswith(("/", ".")):
-        build += " (for a hub id, download it first: `huggingface-cli download ID --local-dir DIR`)"
+        build += f" (a hub id builds the same way: `warmstart build {ref} --tag NAME`)"
     raise NotFound(f"no snapshot or ref {ref!r} in {store.uri}{short}; {hint.rstrip('; ')}; {build}")

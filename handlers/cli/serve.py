@@ -35,8 +35,9 @@ from warmstart.runtime.timeline import Timeline
 def add_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve a snapshot over an OpenAI-compatible HTTP API")
     serve.add_argument("ref", nargs="?", help="snapshot id, unique id prefix or ref name (or --model REF); or an HF "
-                       "model directory, built into the store first (for a fast cold start, build it once with "
-                       "`warmstart build DIR --tag NAME` and serve NAME)")
+                       "model directory or hub id (ORG/NAME), built into the store first (for a fast cold start, "
+                       "build it once with `warmstart build MODEL --tag NAME` and serve NAME)")
+    serve.add_argument("--revision", help="a hub id's branch, tag or commit (default main)")
     serve.add_argument("--store", help="a directory, file://PATH or s3://BUCKET/PREFIX (default $WARMSTART_STORE)")
     serve.add_argument("--cache", type=Path, help="local blob cache (default $WARMSTART_CACHE)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -193,10 +194,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--speculative does not combine with --tensor-parallel yet; leave one of them out")
     key = api_key(args)
     kv_tier = kv_tier_options.config_from(args)
-    model_dir = model_dir_to_serve(args.ref)
-    if model_dir is not None and args.tensor_parallel > 1:
-        raise CliError(f"{args.ref} is a model directory; for --tensor-parallel build it first (`warmstart build "
+    model = model_to_serve(args.ref)
+    if model is not None and args.tensor_parallel > 1:
+        raise CliError(f"{args.ref} is a model, not a snapshot; for --tensor-parallel build it first (`warmstart build "
                        f"{args.ref} --tensor-parallel {args.tensor_parallel} --tag NAME`) and serve NAME")
+    if model is None and args.revision is not None:
+        raise CliError(f"--revision is for a hub id; {args.ref} is a snapshot")
     ranks = plan_ranks(args)
     if ranks.is_follower:
         return run_follower(args, engine_options)
@@ -219,9 +222,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        embedding_pooling=args.embedding_pooling)
 
     def load() -> None:
-        if model_dir is not None:
+        if model is not None:
             try:
-                state.ref = build_to_serve(model_dir, args.store, args.cache, timeline)
+                state.ref = build_to_serve(model, args.revision, args.store, args.cache, timeline)
             except CliError as e:
                 state.fail(str(e))
         if state.status != "failed":
@@ -341,18 +344,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def model_dir_to_serve(ref: str) -> Path | None:
-    """REF as an HF model directory (a config.json in it), which serve builds into the store first; else None."""
-    path = Path(ref).expanduser()
-    return path if (path / "config.json").is_file() else None
+def model_to_serve(ref: str) -> str | None:
+    """REF when it names a model, which serve builds into the store first: an HF model directory (a config.json in
+    it) or a hub id (ORG/NAME: no snapshot ref holds a '/'); None for a snapshot."""
+    from warmstart.snapshot import hub
+
+    return ref if (Path(ref).expanduser() / "config.json").is_file() or hub.is_hub_id(ref) else None
 
 
-def build_to_serve(model_dir: Path, store: str | None, cache: Path | None, timeline: Timeline) -> str:
-    """The one-step form of `serve DIR`: a snapshot of the directory built with the default options and pushed to
-    the store (a rebuild of unchanged inputs uploads nothing), its blobs left in the cache the load reads; returns
-    its id. Each build line is logged as a JSON event; the errors a user can cause come as one CliError."""
-    from warmstart.handlers.cli.snapshots import user_errors
+def build_to_serve(model: str, revision: str | None, store: str | None, cache: Path | None,
+                   timeline: Timeline) -> str:  # fmt: skip
+    """The one-step form of `serve MODEL`: a snapshot of the model directory (a hub id's in huggingface_hub's cache,
+    downloaded first where needed) built with the default options and pushed to the store (a rebuild of unchanged
+    inputs uploads nothing), its blobs left in the cache the load reads; returns its id. Each build line is logged
+    as a JSON event; the errors a user can cause come as one CliError."""
+    from warmstart.handlers.cli.snapshots import model_to_build, user_errors
 
+    model_dir, origin = model_to_build(model, revision)
     with user_errors():
         from warmstart.snapshot.build import BuildError, BuildOptions, build_snapshot
         from warmstart.snapshot.cache import BlobCache
@@ -362,9 +370,10 @@ def build_to_serve(model_dir: Path, store: str | None, cache: Path | None, timel
         target = open_store(store)
         try:
             built = build_snapshot(model_dir, BuildOptions(), BlobCache(cache),
-                                   log=lambda line: print_json_line({"event": "build", "message": line}))
+                                   log=lambda line: print_json_line({"event": "build", "message": line}),
+                                   origin=origin)
         except BuildError as e:
             raise CliError(str(e)) from None
         push_snapshot(target, built.manifest.encode(), built.id, built.blob_paths)
-    timeline.mark("build", snapshot_id=built.id, model_dir=str(model_dir), store=target.uri)
+    timeline.mark("build", snapshot_id=built.id, model_dir=str(model_dir), store=target.uri, hub=origin)
     return built.id

@@ -89,7 +89,7 @@ def test_build_of_a_path_that_is_no_directory_says_so_before_importing_torch(tmp
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "HuggingFaceTB" / "SmolLM2")],
                           capture_output=True, text=True, cwd=repo, timeout=60)  # fmt: skip
     assert done.stdout.split() == ["1", "False"], done.stdout + done.stderr
-    assert "is not a directory" in done.stderr and "huggingface-cli download" in done.stderr
+    assert "is not a directory" in done.stderr and "hub id (ORG/NAME)" in done.stderr
 
 
 @pytest.mark.parametrize("command", ["build", "serve"])
