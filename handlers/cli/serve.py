@@ -35,8 +35,8 @@ from warmstart.runtime.timeline import Timeline
 def add_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve a snapshot over an OpenAI-compatible HTTP API")
     serve.add_argument("ref", nargs="?", help="snapshot id, unique id prefix or ref name (or --model REF); or an HF "
-                       "model directory or hub id (ORG/NAME), built into the store first (for a fast cold start, "
-                       "build it once with `warmstart build MODEL --tag NAME` and serve NAME)")
+                       "model directory, GGUF file or hub id (ORG/NAME), built into the store first (for a fast cold "
+                       "start, build it once with `warmstart build MODEL --tag NAME` and serve NAME)")
     serve.add_argument("--revision", help="a hub id's branch, tag or commit (default main)")
     serve.add_argument("--store", help="a directory, file://PATH or s3://BUCKET/PREFIX (default $WARMSTART_STORE)")
     serve.add_argument("--cache", type=Path, help="local blob cache (default $WARMSTART_CACHE)")
@@ -346,10 +346,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 def model_to_serve(ref: str) -> str | None:
     """REF when it names a model, which serve builds into the store first: an HF model directory (a config.json in
-    it) or a hub id (ORG/NAME: no snapshot ref holds a '/'); None for a snapshot."""
+    it), a GGUF file or a hub id (ORG/NAME: no snapshot ref holds a '/'); None for a snapshot."""
     from warmstart.snapshot import hub
 
-    return ref if (Path(ref).expanduser() / "config.json").is_file() or hub.is_hub_id(ref) else None
+    path = Path(ref).expanduser()
+    is_gguf = path.suffix == ".gguf" and path.is_file()
+    return ref if (path / "config.json").is_file() or is_gguf or hub.is_hub_id(ref) else None
 
 
 def build_to_serve(model: str, revision: str | None, store: str | None, cache: Path | None,
@@ -360,7 +362,8 @@ def build_to_serve(model: str, revision: str | None, store: str | None, cache: P
     as a JSON event; the errors a user can cause come as one CliError."""
     from warmstart.handlers.cli.snapshots import model_to_build, user_errors
 
-    model_dir, origin = model_to_build(model, revision)
+    model_dir, origin = model_to_build(model, revision,
+                                       lambda line: print_json_line({"event": "build", "message": line}))
     with user_errors():
         from warmstart.snapshot.build import BuildError, BuildOptions, build_snapshot
         from warmstart.snapshot.cache import BlobCache
@@ -375,5 +378,5 @@ def build_to_serve(model: str, revision: str | None, store: str | None, cache: P
         except BuildError as e:
             raise CliError(str(e)) from None
         push_snapshot(target, built.manifest.encode(), built.id, built.blob_paths)
-    timeline.mark("build", snapshot_id=built.id, model_dir=str(model_dir), store=target.uri, hub=origin)
+    timeline.mark("build", snapshot_id=built.id, model_dir=str(model_dir), store=target.uri, source=origin)
     return built.id

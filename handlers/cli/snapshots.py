@@ -29,8 +29,9 @@ LS_INCOMPLETE = 3  # `ls` exit status: listed what it could read, flagged the en
 
 def add_commands(sub: Any) -> None:
     build = sub.add_parser("build", help="build a snapshot from an HF model directory or hub id and push it to a store")
-    build.add_argument("model", metavar="MODEL", help="an HF model directory, or a hub id (ORG/NAME) fetched through "
-                       "huggingface_hub's cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE)")
+    build.add_argument("model", metavar="MODEL", help="an HF model directory; a hub id (ORG/NAME) fetched through "
+                       "huggingface_hub's cache (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE); or a GGUF file, dequantized "
+                       "once into an HF directory (needs transformers and gguf)")
     build.add_argument("--revision", help="the hub id's branch, tag or commit (default main); the commit the files "
                        "come from is recorded in the snapshot's provenance")
     build.add_argument("--prefix", action="append", default=[], metavar="NAME=FILE",
@@ -153,20 +154,28 @@ def _cache(args: argparse.Namespace) -> Any:
     return BlobCache(args.cache)
 
 
-def model_to_build(model: str, revision: str | None) -> tuple[Path, dict[str, str] | None]:
+def model_to_build(model: str, revision: str | None,
+                   log: Callable[[str], None] = lambda _: None) -> tuple[Path, dict[str, str] | None]:  # fmt: skip
     """MODEL as a directory to build, and where it came from: a hub id is resolved (downloaded where needed) into
-    huggingface_hub's cache; a local directory has no origin to record."""
+    huggingface_hub's cache, a GGUF file converted once into the models cache; a local directory has no origin."""
     from warmstart.snapshot import hub
 
     path = Path(model).expanduser()
+    if revision is not None and not hub.is_hub_id(model):
+        raise CliError(f"--revision is for a hub id; {model} is a local {'directory' if path.is_dir() else 'file'}")
     if path.is_dir():
-        if revision is not None:
-            raise CliError(f"--revision is for a hub id; {model} is a local directory")
         return path, None
+    if path.is_file() and path.suffix == ".gguf":
+        from warmstart.snapshot.prepare_model import PrepareError, gguf_model_dir
+
+        try:
+            return gguf_model_dir(path, log)
+        except PrepareError as e:
+            raise CliError(str(e)) from None
     if not hub.is_hub_id(model):
         raise CliError(f"{model} is not a directory; give an HF model directory (config.json, *.safetensors, "
-                       "tokenizer.json) or a hub id (ORG/NAME), or `warmstart prepare-model smollm2` for the demo's "
-                       "model")
+                       "tokenizer.json), a GGUF file or a hub id (ORG/NAME), or `warmstart prepare-model smollm2` "
+                       "for the demo's model")
     try:
         resolved = hub.resolve(model, revision)
     except hub.HubError as e:
@@ -184,7 +193,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             check_new_ref_name(name)  # before the build, not after it
     except StoreError as e:
         raise CliError(str(e)) from None
-    model_dir, origin = model_to_build(args.model, args.revision)
+    model_dir, origin = model_to_build(args.model, args.revision, _log(args))
     with user_errors():
         from warmstart.snapshot.adapters import AdapterSpec
         from warmstart.snapshot.build import BuildError, BuildOptions, PrefixSpec, build_snapshot
@@ -212,7 +221,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         for name in args.tag:
             store.set_ref(name, built.id)
     view = built.manifest.view()
-    result = {"id": built.id, "store": store.uri, "hub": origin, "blobs_total": stats.blobs_total,
+    result = {"id": built.id, "store": store.uri, "source": origin, "blobs_total": stats.blobs_total,
               "blobs_uploaded": stats.blobs_uploaded, "bytes_uploaded": stats.bytes_uploaded,
               "blobs_replaced": stats.blobs_replaced,
               "tags": args.tag, "prefixes": [{"name": p.name, "tokens": len(p.token_ids)} for p in view.prefixes],
@@ -419,7 +428,7 @@ def describe(sid: str, manifest: Manifest) -> dict[str, Any]:
         "loras": lora_summaries(m),
         "selector": selector_summary(m),
         "tool": m.provenance["tool"],
-        "hub": m.provenance.get("model"),  # the hub id and the commit it was built from; None for a directory
+        "source": m.provenance.get("model"),  # hub id and commit, or GGUF file and hash; None for a directory
         **({"draft": {"architecture": m.draft.architecture, "quantization": m.draft.quantization,
                       "bytes": sum(t.nbytes or 0 for t in m.draft.tensors.values())}} if m.draft is not None else {}),
     }

@@ -70,7 +70,7 @@ def test_serve_a_hub_id_builds_it_then_serves_it(tiny_model_dir, tmp_path: Path)
     try:
         ready = server.wait_for("ready")
         built = next(e for e in server.events if e.get("phase") == "build")
-        assert built["hub"] == {"hub_id": "org/tiny", "revision": COMMIT}
+        assert built["source"] == {"hub_id": "org/tiny", "revision": COMMIT}
         assert ready["snapshot_id"] == built["snapshot_id"]
         body = {"model": "org/tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         request = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
