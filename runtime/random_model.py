@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Olmo2ForCausalLM")
+                           "Olmo2ForCausalLM", "Phi3ForCausalLM")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEFAULT_TOKENIZER_VOCAB = 2048
 LOGIT_STD = 2.0
@@ -95,7 +95,7 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
         arch = str(archs[0])
     else:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
         arch = by_type.get(str(cfg.get("model_type", "")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -118,7 +118,7 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
     # Which biases exist, per family (as transformers builds the modules).
     if arch == "Qwen2ForCausalLM":
         qkv_bias, o_bias, mlp_bias = True, False, False
-    elif arch == "MistralForCausalLM":
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         qkv_bias = o_bias = mlp_bias = False
     elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
@@ -133,7 +133,10 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         q_out, kv_out = n_heads * head_dim, n_kv * head_dim
         if arch != "Olmo2ForCausalLM":  # OLMo 2 normalizes each block's output instead of its input
             specs.append(_Param(p + "input_layernorm.weight", (hidden,), "norm"))
-        for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        if arch == "Phi3ForCausalLM":  # q, k and v in one matrix
+            specs.append(_Param(f"{p}self_attn.qkv_proj.weight", (q_out + 2 * kv_out, hidden), "qk"))
+        separate = (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)) if arch != "Phi3ForCausalLM" else ()
+        for proj, out in separate:
             kind = "linear" if proj == "v_proj" else "qk"
             specs.append(_Param(f"{p}self_attn.{proj}.weight", (out, hidden), kind))
             if qkv_bias:
@@ -148,8 +151,11 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
             specs.append(_Param(p + "self_attn.q_norm.weight", (q_out,), "qk_norm"))
             specs.append(_Param(p + "self_attn.k_norm.weight", (kv_out,), "qk_norm"))
         specs.append(_Param(p + "post_attention_layernorm.weight", (hidden,), "norm"))
-        mlp = (("gate_proj", inter, hidden, "linear"), ("up_proj", inter, hidden, "linear"),
-               ("down_proj", hidden, inter, "out"))
+        mlp: list[tuple[str, int, int, str]] = [("gate_proj", inter, hidden, "linear"),
+                                                ("up_proj", inter, hidden, "linear")]
+        if arch == "Phi3ForCausalLM":  # gate and up in one matrix
+            mlp = [("gate_up_proj", 2 * inter, hidden, "linear")]
+        mlp.append(("down_proj", hidden, inter, "out"))
         for proj, out, fan_in, kind in mlp:
             specs.append(_Param(f"{p}mlp.{proj}.weight", (out, fan_in), kind))
             if mlp_bias:

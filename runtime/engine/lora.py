@@ -51,8 +51,10 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 HF_MODULES = {hf: (fused, i) for fused, parts in FUSED_MODULES.items() for i, hf in enumerate(parts)}
+# Checkpoints that fuse them too (Phi-3): one LoRA over every slice, its A shared by them
+HF_FUSED_MODULES = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 FORMAT_VERSION = 1
 _PEFT_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<module>\w+)"
@@ -203,15 +205,17 @@ def lora_from_peft(
     rank = max(ab["A"].shape[0] for ab in pairs.values())
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
     for (layer, hf_module), ab in sorted(pairs.items()):
-        module, s = HF_MODULES[hf_module]
+        module, s = (HF_FUSED_MODULES[hf_module], -1) if hf_module in HF_FUSED_MODULES else HF_MODULES[hf_module]
         fan_in, outs = slice_sizes(config, module)
+        slices = range(len(outs)) if s < 0 else [s]
         a, b = ab["A"].float(), ab["B"].float()
         _check_finite(what, f"layer {layer} {hf_module} lora_A", a)
         _check_finite(what, f"layer {layer} {hf_module} lora_B", b)
         r = a.shape[0]
-        if a.shape != (r, fan_in) or b.shape != (outs[s], r):
+        out_rows = sum(outs[i] for i in slices)
+        if a.shape != (r, fan_in) or b.shape != (out_rows, r):
             raise ValueError(f"{what}: layer {layer} {hf_module} has lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)}; this model needs ({r}, {fan_in}) and ({outs[s]}, {r}) "
+                             f"{tuple(b.shape)}; this model needs ({r}, {fan_in}) and ({out_rows}, {r}) "
                              "(an adapter for another base model?)")
         alpha = float(peft_pattern_value(alpha_pattern, f"model.layers.{layer}.{_PARENT[hf_module]}.{hf_module}",
                                      alpha_default))
@@ -219,9 +223,12 @@ def lora_from_peft(
         if module not in layers[layer]:
             layers[layer][module] = (torch.zeros(len(outs) * rank, fan_in), torch.zeros(sum(outs), rank))
         fused_a, fused_b = layers[layer][module]
-        fused_a[s * rank : s * rank + r] = a
-        row = sum(outs[:s])
-        fused_b[row : row + outs[s], :r] = b * scale
+        b_row = 0
+        for i in slices:
+            fused_a[i * rank : i * rank + r] = a
+            row = sum(outs[:i])
+            fused_b[row : row + outs[i], :r] = b[b_row : b_row + outs[i]] * scale
+            b_row += outs[i]
     for i, layer_modules in enumerate(layers):
         for module, (a, b) in layer_modules.items():
             layer_modules[module] = (a.to(dtype), b.to(dtype))
@@ -264,9 +271,9 @@ def _peft_pairs(
             raise ValueError(f"{what}: unexpected tensor {key!r} ({where}trained extra modules and LoRA outside the "
                              "decoder layers' q/k/v/o/gate/up/down projections are not supported)")
         layer, module = int(m["layer"]), m["module"]
-        if module not in HF_MODULES or _PARENT[module] != m["parent"]:
+        if module not in _PARENT or _PARENT[module] != m["parent"]:
             raise ValueError(f"{what}: LoRA on {m['parent']}.{module} is not supported; targets may be "
-                             f"{', '.join(HF_MODULES)}")
+                             f"{', '.join(_PARENT)}")
         if layer >= config.num_layers:
             raise ValueError(f"{what}: targets layer {layer}, the model has {config.num_layers} layers "
                              "(an adapter for another base model?)")

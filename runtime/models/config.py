@@ -16,8 +16,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class ModelConfigError(ValueError):
@@ -44,6 +45,8 @@ class ModelConfig:
     # OLMo 2's reordered norms: on each block's output before the residual add (none on its input), q/k norms over
     # all heads at once (before the split into heads), every norm's weight multiplied in float32, rope in float32.
     reordered_norms: bool
+    # Phi-3's checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj, already in the engine's layout
+    fused_checkpoint: bool
     tie_word_embeddings: bool
     # One entry per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...]
@@ -104,8 +107,15 @@ class ModelConfig:
 
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
         rope_theta = float(raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0)
+        partial_rotary = float(raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor")
+                               or 1.0)
+        if partial_rotary != 1.0:
+            raise ModelConfigError(f"{source}: partial_rotary_factor={partial_rotary} is not supported (the rotary "
+                                   "covers every dimension of a head)")
+        max_positions = int(raw.get("max_position_embeddings") or 2048)
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rope_type = "longrope" if rope_type == "su" else rope_type  # early Phi-3 configs' name for it
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ModelConfigError(
                     f"{source}: rope scaling type {rope_type!r} is not supported "
@@ -114,6 +124,8 @@ class ModelConfig:
             rope_scaling = {**rope_scaling, "rope_type": rope_type}
             if rope_type == "default":
                 rope_scaling = None
+            elif rope_type == "longrope":
+                rope_scaling, max_positions = _longrope(rope_scaling, raw, max_positions, source)
 
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -127,18 +139,37 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias")),
             qk_norm=family in ("qwen3", "olmo2"),
             reordered_norms=family == "olmo2",
+            fused_checkpoint=family == "phi3",
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(raw, family, num_layers),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _longrope(scaling: dict[str, Any], raw: dict[str, Any], max_positions: int,
+              source: str) -> tuple[dict[str, Any], int]:  # fmt: skip
+    """LongRoPE (Phi-3): its short factors, and the cos/sin scale transformers derives from the context's growth.
+    transformers switches every position to the long factors once a sequence passes the original context, keys
+    already cached included; served up to the original context, the short factors alone are exact, so that is
+    the model's context here."""
+    original = scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if not original or "short_factor" not in scaling:
+        raise ModelConfigError(f"{source}: longrope scaling needs short_factor and original_max_position_embeddings")
+    original = int(original)
+    factor = float(scaling.get("factor") or max_positions / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    scaling = {**scaling, "original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
+    return scaling, min(max_positions, original)
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
@@ -182,6 +213,10 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     factor = float(scaling.get("factor", 1.0))
     if rope_type == "linear":
         return inv_freq / factor, 1.0
+    if rope_type == "longrope":
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (short * base**shape), float(scaling["attention_factor"])
     if rope_type == "llama3":
         low_freq_factor = scaling["low_freq_factor"]
         high_freq_factor = scaling["high_freq_factor"]

@@ -141,7 +141,7 @@ def convert_weights(
         layers.append(
             LayerWeights(
                 input_norm=None if c.reordered_norms else get(p + "input_layernorm.weight", (h,)),
-                qkv=fused(
+                qkv=get(a + "qkv_proj.weight", (c.q_size + 2 * c.kv_size, h)) if c.fused_checkpoint else fused(
                     get(a + "q_proj.weight", (c.q_size, h)),
                     get(a + "k_proj.weight", (c.kv_size, h)),
                     get(a + "v_proj.weight", (c.kv_size, h)),
@@ -157,7 +157,8 @@ def convert_weights(
                 k_norm=get(a + "k_norm.weight", k_norm_shape) if c.qk_norm else None,
                 o_proj=get(a + "o_proj.weight", (h, c.q_size)),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=fused(
+                gate_up=get(p + "mlp.gate_up_proj.weight", (2 * c.intermediate_size, h)) if c.fused_checkpoint
+                else fused(
                     get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
                     get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
                 ),

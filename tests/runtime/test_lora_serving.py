@@ -31,6 +31,9 @@ LORAS: dict[str, dict[str, Any]] = {
     "mlp2-rs": {"r": 2, "lora_alpha": 4, "use_rslora": True, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
     "ko16": {"r": 16, "lora_alpha": 32, "target_modules": ["k_proj", "o_proj"], "layers_to_transform": [0]},
 }
+# Phi-3's checkpoint fuses q/k/v and gate/up, so its adapters target the fused modules
+PHI3_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -43,11 +46,19 @@ def loras_of(tmp_path_factory, tiny_model_dir):  # type: ignore[no-untyped-def]
     def get(family: str) -> dict[str, Path]:
         if family not in made:
             root = tmp_path_factory.mktemp(f"loras-{family}")
-            made[family] = {name: make_adapter(tiny_model_dir(family), root / name, "LoraConfig", seed=i, **options)
+            made[family] = {name: make_adapter(tiny_model_dir(family), root / name, "LoraConfig", seed=i,
+                                               **for_family(family, options))
                             for i, (name, options) in enumerate(LORAS.items())}
         return made[family]
 
     return get
+
+
+def for_family(family: str, options: dict[str, Any]) -> dict[str, Any]:
+    if family != "phi3":
+        return options
+    return {**options, "target_modules": sorted({PHI3_MODULES.get(m, m) for m in options["target_modules"]}),
+            "rank_pattern": {PHI3_MODULES.get(m, m): r for m, r in options.get("rank_pattern", {}).items()}}
 
 
 def peft_loader(name: str, adapter_dir: Path, config: ModelConfig, calls: list[str] | None = None) -> Any:

@@ -37,5 +37,34 @@ def test_inverse_frequencies_and_scale_are_transformers(scaling: dict[str, Any])
 
 
 def test_a_rope_scaling_it_does_not_compute_is_refused_by_name() -> None:
-    with pytest.raises(ModelConfigError, match=r"rope scaling type 'longrope' is not supported \(supported: "):
-        ModelConfig.from_dict({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(ModelConfigError, match=r"rope scaling type 'dynamic' is not supported \(supported: "):
+        ModelConfig.from_dict({**BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+
+
+PHI3 = {**BASE, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096}
+SHORT, LONG = [1.0 + 0.07 * i for i in range(16)], [1.0 + 0.9 * i for i in range(16)]
+
+
+@pytest.mark.parametrize("scaling", [
+    {"type": "longrope", "short_factor": SHORT, "long_factor": LONG},  # Phi-3-mini-128k's form: scale from 32x
+    {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "attention_factor": 1.25},
+    {"type": "su", "short_factor": SHORT, "long_factor": LONG},  # its early name
+], ids=["longrope", "longrope-attention-factor", "su"])
+def test_longrope_is_phi3s_short_factors_within_the_original_context(scaling: dict[str, Any]) -> None:
+    from transformers import Phi3Config
+
+    config = ModelConfig.from_dict({**PHI3, "rope_scaling": scaling})
+    ours, scale = rope_inv_freq(config)
+    reference = Phi3Config(**{k: v for k, v in PHI3.items() if k != "architectures"},
+                           rope_scaling={**scaling, "type": "longrope"})  # fmt: skip
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["longrope"](reference, torch.device("cpu"))  # seq_len None: short
+    assert torch.equal(ours, theirs) and scale == pytest.approx(their_scale, rel=1e-12)
+    # transformers moves every position to the long factors past the original context, cached keys included:
+    # the context served is the original one, where the short factors are exact
+    assert config.max_position_embeddings == 4096
+
+
+def test_a_partial_rotary_is_refused() -> None:
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor=0.75 is not supported"):
+        ModelConfig.from_dict({**PHI3, "partial_rotary_factor": 0.75})

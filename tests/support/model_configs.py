@@ -143,4 +143,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "vocab_size": 832,
     },
+    # Fused qkv_proj and gate_up_proj in the checkpoint, LongRoPE (short factors, scale from 1024 / 512), a sliding
+    # window shorter than the test prompts.
+    "phi3": {
+        **_COMMON,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 64,
+        "intermediate_size": 144,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 512,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]},
+        "sliding_window": 40,
+        "tie_word_embeddings": False,
+        "vocab_size": 704,
+        "pad_token_id": 0,  # Phi3Config's default (32000) lies outside this vocabulary
+    },
 }
