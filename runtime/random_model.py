@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Olmo2ForCausalLM", "Phi3ForCausalLM")
+                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEFAULT_TOKENIZER_VOCAB = 2048
 LOGIT_STD = 2.0
@@ -95,7 +95,8 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
         arch = str(archs[0])
     else:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                   "gemma3_text": "Gemma3ForCausalLM"}
         arch = by_type.get(str(cfg.get("model_type", "")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -120,19 +121,20 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         qkv_bias, o_bias, mlp_bias = True, False, False
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         qkv_bias = o_bias = mlp_bias = False
-    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):
+    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"):
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = False
     else:  # Llama
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = bool(cfg.get("mlp_bias", False))
 
+    norm = "offset_norm" if arch == "Gemma3ForCausalLM" else "norm"  # Gemma stores a norm weight's offset from 1
     specs = [_Param("model.embed_tokens.weight", (vocab, hidden), "head" if tied else "embed")]
     for i in range(n_layers):
         p = f"model.layers.{i}."
         q_out, kv_out = n_heads * head_dim, n_kv * head_dim
         if arch != "Olmo2ForCausalLM":  # OLMo 2 normalizes each block's output instead of its input
-            specs.append(_Param(p + "input_layernorm.weight", (hidden,), "norm"))
+            specs.append(_Param(p + "input_layernorm.weight", (hidden,), norm))
         if arch == "Phi3ForCausalLM":  # q, k and v in one matrix
             specs.append(_Param(f"{p}self_attn.qkv_proj.weight", (q_out + 2 * kv_out, hidden), "qk"))
         separate = (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)) if arch != "Phi3ForCausalLM" else ()
@@ -147,10 +149,15 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         if arch == "Qwen3ForCausalLM":
             specs.append(_Param(p + "self_attn.q_norm.weight", (head_dim,), "qk_norm"))
             specs.append(_Param(p + "self_attn.k_norm.weight", (head_dim,), "qk_norm"))
+        elif arch == "Gemma3ForCausalLM":  # per head, its weight an offset from 1
+            specs.append(_Param(p + "self_attn.q_norm.weight", (head_dim,), "qk_offset_norm"))
+            specs.append(_Param(p + "self_attn.k_norm.weight", (head_dim,), "qk_offset_norm"))
         elif arch == "Olmo2ForCausalLM":  # over all heads at once
             specs.append(_Param(p + "self_attn.q_norm.weight", (q_out,), "qk_norm"))
             specs.append(_Param(p + "self_attn.k_norm.weight", (kv_out,), "qk_norm"))
-        specs.append(_Param(p + "post_attention_layernorm.weight", (hidden,), "norm"))
+        # Gemma's post-block norms set the blocks' scale in the residual stream: OUT_GAIN's role
+        specs.append(_Param(p + "post_attention_layernorm.weight", (hidden,),
+                            "out_offset_norm" if arch == "Gemma3ForCausalLM" else norm))
         mlp: list[tuple[str, int, int, str]] = [("gate_proj", inter, hidden, "linear"),
                                                 ("up_proj", inter, hidden, "linear")]
         if arch == "Phi3ForCausalLM":  # gate and up in one matrix
@@ -162,7 +169,10 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
                 specs.append(_Param(f"{p}mlp.{proj}.bias", (out,), "bias"))
         if arch == "Olmo2ForCausalLM":
             specs.append(_Param(p + "post_feedforward_layernorm.weight", (hidden,), "norm"))
-    specs.append(_Param("model.norm.weight", (hidden,), "norm"))
+        if arch == "Gemma3ForCausalLM":  # sandwich norms around the MLP too
+            specs.append(_Param(p + "pre_feedforward_layernorm.weight", (hidden,), "offset_norm"))
+            specs.append(_Param(p + "post_feedforward_layernorm.weight", (hidden,), "out_offset_norm"))
+    specs.append(_Param("model.norm.weight", (hidden,), norm))
     if not tied:
         specs.append(_Param("lm_head.weight", (vocab, hidden), "head"))
     return specs
@@ -172,6 +182,12 @@ def _random_tensor(spec: _Param, gen: torch.Generator, tokenizer_vocab: int) -> 
     t = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
     if spec.kind == "norm":
         return t.mul_(NORM_NOISE).add_(1.0)
+    if spec.kind == "offset_norm":  # the same spread around 1, stored as the offset
+        return t.mul_(NORM_NOISE)
+    if spec.kind == "out_offset_norm":  # around OUT_GAIN, stored as the offset from 1
+        return t.mul_(NORM_NOISE).add_(OUT_GAIN - 1)
+    if spec.kind == "qk_offset_norm":  # as "qk_norm", stored as the offset from 1
+        return t.mul_(NORM_NOISE).add_(1.0).mul_(QK_GAIN).sub_(1.0)
     if spec.kind == "qk_norm":  # q/k projection scale is normalized away; sharpen attention here instead
         return t.mul_(NORM_NOISE).add_(1.0).mul_(QK_GAIN)
     if spec.kind == "bias":

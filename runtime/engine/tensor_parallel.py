@@ -125,6 +125,7 @@ def shard_weights(weights: ModelWeights, config: ModelConfig, rank: int, world: 
             gate_up=_rows(layer.gate_up, ((rank * inter, inter), (c.intermediate_size + rank * inter, inter))),
             down=_columns(layer.down, rank * inter, inter),
             mlp_out_norm=layer.mlp_out_norm,
+            mlp_in_norm=layer.mlp_in_norm,
         ))
     return ModelWeights(embed=weights.embed, layers=layers, norm=weights.norm, lm_head=weights.lm_head)
 

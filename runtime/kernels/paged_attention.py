@@ -194,6 +194,7 @@ def _launch(
     window: int | None,
     config: tuple[int, int, int],
     num_splits: int,
+    scale: float | None,
 ) -> torch.Tensor:
     require_triton(HAVE_TRITON)
     tokens, heads, head_dim = q.shape
@@ -214,7 +215,7 @@ def _launch(
     d_pad = triton.next_power_of_2(head_dim)
     paged_attention_kernel[(tile_seq.shape[0], kv_heads, num_splits)](
         q, cache, block_tables, query_start, seq_lens, tile_seq, tile_query, part_out, part_max, part_sum,
-        first_key_position, window or 0, head_dim**-0.5, block_tables.shape[1],
+        first_key_position, window or 0, head_dim**-0.5 if scale is None else scale, block_tables.shape[1],
         kv_heads * num_blocks * block_size * head_dim, num_blocks * block_size * head_dim,
         NUM_HEADS=heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=heads // kv_heads, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_K=tile_k, NUM_SPLITS=num_splits,
@@ -235,6 +236,7 @@ def paged_decode_attention(
     first_key_position: int = 0,
     window: int | None = None,
     num_splits: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q: [B, heads, D], at position seq_lens - 1 -> [B, heads, D].
 
@@ -250,7 +252,7 @@ def paged_decode_attention(
     rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     return _launch(
         q, cache, block_tables, rows, seq_lens, rows[:-1], torch.zeros_like(rows[:-1]), first_key_position,
-        window, config, num_splits,
+        window, config, num_splits, scale,
     )
 
 
@@ -262,6 +264,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     first_key_position: int = 0,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """A variable-length batch of new tokens, q: [T, heads, D], sequence s's in rows query_start[s]:[s+1],
     each the last tokens of its seq_lens[s] (its earlier tokens are a cached prefix in the pool) -> [T, heads, D]."""
@@ -273,5 +276,5 @@ def paged_prefill_attention(
     tile_query = torch.tensor([i for n in lengths for i in range(0, n, block_q)], dtype=torch.int32)
     return _launch(
         q, cache, block_tables, query_start, seq_lens, tile_seq.to(q.device), tile_query.to(q.device),
-        first_key_position, window, config, num_splits=1,
+        first_key_position, window, config, num_splits=1, scale=scale,
     )

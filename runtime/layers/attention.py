@@ -174,12 +174,15 @@ def paged_attention(
     window: int | None,
     decode_kernel: bool = False,
     prefill_kernel: bool | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D].
 
     ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``), and prefill chunks on
-    its prefill kernel where ``prefill_kernel_chosen``; ``prefill_kernel`` overrides that choice (tests)."""
+    its prefill kernel where ``prefill_kernel_chosen``; ``prefill_kernel`` overrides that choice (tests).
+    ``scale`` multiplies q.k (default head_dim ** -0.5)."""
     n, heads, head_dim = q.shape
+    scale = head_dim**-0.5 if scale is None else scale
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
     whole = len(meta.groups) == 1  # one group holding every row in order: no gather or scatter of rows
@@ -191,22 +194,22 @@ def paged_attention(
     out = q.new_empty(n, heads * head_dim) if not whole or by_kernel else None
     if by_kernel:
         assert out is not None
-        _kernel_prefill_attention(out, q, cache, tables, seqs, window)
+        _kernel_prefill_attention(out, q, cache, tables, seqs, window, scale)
     for g in meta.groups:
         if by_kernel and any(g is done for done in by_kernel):
             continue
         qg = q if whole else q[g.rows]
         if g.is_decode and decode_kernel:
-            o = _kernel_decode_attention(qg, cache, g, window)
+            o = _kernel_decode_attention(qg, cache, g, window, scale)
         elif g.is_decode:
             batch = g.block_tables.shape[0]
             k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)
             # [B, heads, D] -> [kv_heads, B, group, D]: the query heads sharing a KV head are rows of one block.
             qd = qg.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
-            o = _decode_attention(qd, k, v, g.score_bias(window)[None, :, None, :])
+            o = _decode_attention(qd, k, v, g.score_bias(window)[None, :, None, :], scale)
             o = o.transpose(0, 1).reshape(batch, heads * head_dim)
         else:
-            o = _prefill_attention(qg, k_new[g.rows], v_new[g.rows], cache, g, window)
+            o = _prefill_attention(qg, k_new[g.rows], v_new[g.rows], cache, g, window, scale)
         if out is None:
             return o
         out[g.rows] = o
@@ -221,6 +224,7 @@ def _prefill_attention(
     cache: torch.Tensor,
     g: AttentionGroup,
     window: int | None,
+    scale: float,
 ) -> torch.Tensor:
     """One sequence's chunk of T queries [T, heads, D] -> [T, heads * D]."""
     t, heads, head_dim = q.shape
@@ -231,29 +235,31 @@ def _prefill_attention(
         # which lets the kernel skip the masked half.
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None],
-            is_causal=True, enable_gqa=gqa,
+            is_causal=True, enable_gqa=gqa, scale=scale,
         )
     else:
         k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=g.mask(window)[None, None], enable_gqa=gqa,
+            attn_mask=g.mask(window)[None, None], enable_gqa=gqa, scale=scale,
         )
     return o[0].transpose(0, 1).reshape(t, heads * head_dim)
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q: [kv_heads, B, group, D]; k, v: [kv_heads, B, L, D]; bias broadcasts to [kv_heads, B, group, L].
 
     Two batched matmuls with a float32 softmax: on the CPU this measured several times faster in bfloat16
     than SDPA's flash kernel for single-token queries, and as fast in float32.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + bias
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
     return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
 def _kernel_decode_attention(
-    q: torch.Tensor, cache: torch.Tensor, g: AttentionGroup, window: int | None
+    q: torch.Tensor, cache: torch.Tensor, g: AttentionGroup, window: int | None, scale: float
 ) -> torch.Tensor:
     """q: [B, heads, D] -> [B, heads * D], by runtime/kernels/cpu_attention.c over the pool in place."""
     assert _cpu_attention is not None and cache.is_contiguous() and q.dtype == cache.dtype
@@ -267,14 +273,14 @@ def _kernel_decode_attention(
         out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
         tables.data_ptr(), start.data_ptr(), end.data_ptr(),
         batch, heads, kv_heads, head_dim, block_size, tables.shape[1], num_blocks * block_size * head_dim,
-        head_dim**-0.5, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+        scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out.view(batch, heads * head_dim)
 
 
 def _kernel_prefill_attention(
     out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
-    window: int | None,
+    window: int | None, scale: float,
 ) -> None:  # fmt: skip
     """The chunks ``seqs`` describes (see ``AttentionMetadata.prefill_args``): their rows of q [N, heads, D] attend
     causally over the pool in place, into the same rows of out [N, heads * D]; runtime/kernels/cpu_attention.c."""
@@ -286,7 +292,7 @@ def _kernel_prefill_attention(
     _cpu_attention.prefill(
         out.data_ptr(), q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), tables.data_ptr(), seqs.data_ptr(),
         seqs.shape[0], heads, kv_heads, head_dim, block_size, tables.shape[1], num_blocks * block_size * head_dim,
-        q.stride(0), out.stride(0), window or 0, head_dim**-0.5, int(q.dtype == torch.bfloat16),
+        q.stride(0), out.stride(0), window or 0, scale, int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )  # fmt: skip
 

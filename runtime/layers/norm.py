@@ -18,6 +18,13 @@ def rms_norm_weighted_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: flo
     return (weight * x32).to(x.dtype)
 
 
+def rms_norm_offset_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the weight stored as its offset from 1, multiplied in float32, the product rounded once."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the MLP's gate, by the config's name for it
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -47,6 +49,13 @@ class ModelConfig:
     reordered_norms: bool
     # Phi-3's checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj, already in the engine's layout
     fused_checkpoint: bool
+    activation: str  # of the MLP's gate: "silu" or "gelu_tanh" (GeGLU)
+    attention_scale: float  # of q.k: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    embedding_multiplier: float  # Gemma's sqrt(hidden_size) on the token embeddings, else 1
+    # Gemma 3's sandwich norms: around each block's input and output, their weights offset by 1 and multiplied in
+    # float32 (q/k norms per head likewise)
+    sandwich_norms: bool
+    local_rope_theta: float | None  # Gemma 3's rope base on its sliding-window layers (theirs is plain rope)
     tie_word_embeddings: bool
     # One entry per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...]
@@ -98,8 +107,12 @@ class ModelConfig:
             )
         head_dim = int(raw.get("head_dim") or hidden // heads)
         num_layers = int(need("num_hidden_layers"))
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
+        gemma = _gemma3(raw, source, num_layers) if family == "gemma3" else {}
+        raw = {**raw, **gemma.pop("raw", {})}
+        act_name = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if act_name not in ACTIVATIONS:
+            raise ModelConfigError(f"{source}: hidden_act={act_name!r} is not supported "
+                                   f"(supported: {', '.join(ACTIVATIONS)})")
         if raw.get("mlp_bias"):
             raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
         if family == "olmo2" and raw.get("attention_bias"):
@@ -144,14 +157,42 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias")),
-            qk_norm=family in ("qwen3", "olmo2"),
+            qk_norm=family in ("qwen3", "olmo2", "gemma3"),
             reordered_norms=family == "olmo2",
             fused_checkpoint=family == "phi3",
+            activation=ACTIVATIONS[act_name],
+            attention_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            embedding_multiplier=hidden**0.5 if family == "gemma3" else 1.0,
+            sandwich_norms=family == "gemma3",
+            local_rope_theta=gemma.get("local_rope_theta"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(raw, family, num_layers),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _gemma3(raw: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's config in the form the rest reads: its layer types (every sliding_window_pattern-th layer global),
+    the global layers' rope as rope_theta / rope_scaling, the local layers' base apart; what it cannot run, refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ModelConfigError(f"{source}: {key}={raw[key]} is not supported (Gemma 3 sets none; Gemma 2's "
+                                   "soft-capping is not implemented)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"{source}: use_bidirectional_attention=true (an encoder) is not supported")
+    pattern = int(raw.get("sliding_window_pattern") or 6)
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    by_type = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
+    by_type = by_type if by_type and "full_attention" in by_type else {}
+    full, local = by_type.get("full_attention") or {}, by_type.get("sliding_attention") or {}
+    scaling = raw.get("rope_scaling") or ({k: v for k, v in full.items() if k != "rope_theta"} or None)
+    return {
+        "raw": {"layer_types": layer_types, "rope_theta": full.get("rope_theta") or raw.get("rope_theta") or 1e6,
+                "rope_scaling": scaling, "rope_parameters": None},
+        "local_rope_theta": float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0),
+    }
 
 
 def _longrope(scaling: dict[str, Any], raw: dict[str, Any], max_positions: int,

@@ -1,14 +1,17 @@
-"""The decoder: one implementation for Llama, Mistral, Qwen2, Qwen3 and OLMo 2, over a flat batch of tokens.
+"""The decoder: one implementation for Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 and Gemma 3, over a flat batch
+of tokens.
 
 Every operation mirrors transformers' arithmetic (norms in float32, residuals in the model dtype, rotary
-tables cast to the model dtype; OLMo 2 keeps its norm weights' products and its rotary in float32) so that
-float32 outputs match it to rounding.
+tables cast to the model dtype; OLMo 2 keeps its norm weights' products and its rotary in float32, Gemma 3 its norm
+weights' products) so that float32 outputs match it to rounding. Where the norms sit differs by family: before
+each block (Llama), after each block (OLMo 2's reordered norms), or both (Gemma 3's sandwich norms).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ from warmstart.runtime.kernels import cpu_lora
 from warmstart.runtime.layers import lora as torch_lora
 from warmstart.runtime.layers.attention import AttentionMetadata
 from warmstart.runtime.layers.lora import LoraStep
-from warmstart.runtime.layers.norm import rms_norm_weighted_in_float32
+from warmstart.runtime.layers.norm import rms_norm_offset_weight, rms_norm_weighted_in_float32
 from warmstart.runtime.layers.ops import select_ops
 from warmstart.runtime.layers.rotary import RotaryTables, apply_rotary
 from warmstart.runtime.models.config import ModelConfig, rope_inv_freq
@@ -44,6 +47,12 @@ class Model:
         self.reordered = config.reordered_norms
         rotary_dtype = torch.float32 if self.reordered else self.dtype
         self.rotary = RotaryTables(*rope_inv_freq(config), max_positions, rotary_dtype, device)
+        # Gemma 3's sliding-window layers rotate with plain rope of their own base
+        self.local_rotary = None if config.local_rope_theta is None else RotaryTables(
+            *rope_inv_freq(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)), max_positions,
+            rotary_dtype, device)
+        self.sandwich = config.sandwich_norms
+        self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else None
         self.ops = select_ops(device, self.dtype, (config.num_heads // config.num_kv_heads, config.head_dim))
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
@@ -100,6 +109,8 @@ class Model:
         n = input_ids.shape[0]
         eps = c.rms_norm_eps
         x = F.embedding(input_ids, w.embed) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None and c.embedding_multiplier != 1.0:  # Gemma's, rounded to the dtype as its own
+            x = x * torch.tensor(c.embedding_multiplier).to(x.dtype)
         fused = (self.fused_decode if not hidden and lora is None and self.fused_decode
                  and self.fused_decode.serves(n, meta) else None)
         if fused is not None:
@@ -109,10 +120,11 @@ class Model:
                     return logits
             return self._logits(fused.run(x.contiguous(), positions, kv_caches, meta), logits_index)
         rotary = self.rotary.lookup(positions) if self.reordered else ops.rotary_args(self.rotary, positions)
+        local = None if self.local_rotary is None else ops.rotary_args(self.local_rotary, positions)
         last = len(w.layers) - 1
         rows: torch.Tensor | None = logits_index
         for i, layer in enumerate(w.layers):
-            h = x if layer.input_norm is None else ops.rms_norm(x, layer.input_norm, eps)
+            h = x if layer.input_norm is None else self.norm(x, layer.input_norm)
             qkv = linear(h, i, "qkv", layer.qkv_bias)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             if self.reordered and layer.q_norm is not None and layer.k_norm is not None:  # over all heads at once
@@ -120,25 +132,26 @@ class Model:
             q = q.view(n, c.num_heads, c.head_dim)
             k = k.view(n, c.num_kv_heads, c.head_dim)
             v = v.view(n, c.num_kv_heads, c.head_dim)
-            if not self.reordered and layer.q_norm is not None and layer.k_norm is not None:
-                q = ops.rms_norm(q, layer.q_norm, eps)
-                k = ops.rms_norm(k, layer.k_norm, eps)
-            q, k = self.rotate(q, k, rotary)
+            if not self.reordered and layer.q_norm is not None and layer.k_norm is not None:  # per head
+                q, k = self.norm(q, layer.q_norm), self.norm(k, layer.k_norm)
+            window = c.sliding_windows[i]
+            q, k = self.rotate(q, k, local if local is not None and window is not None else rotary)
             ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
-            attn = ops.paged_attention(q, k, v, kv_caches[i], meta, c.sliding_windows[i])
+            attn = ops.paged_attention(q, k, v, kv_caches[i], meta, window, c.attention_scale)
             if i == last and self.wanted_rows_only and lora is None and not self.sharded and logits_index.numel() < n:
                 # The last layer's KV is written; past this point a row feeds nothing but its logits, so only the
                 # rows whose logits are wanted go on (a prompt's last token; none for a chunk before its last).
                 # Not for a LoRA step (its rows map to adapters) or a tensor-parallel shard (ranks that see another
                 # logits_index would all-reduce tensors of other sizes).
                 attn, x, rows = attn[logits_index], x[logits_index], None
-            if layer.mlp_out_norm is not None:  # reordered: each block's output normalized, then added
+            if layer.mlp_out_norm is not None:  # reordered or sandwich: each block's output normalized, then added
                 x = x + self.norm(self.reduce(linear(attn, i, "o_proj")), layer.post_norm)
-                mlp = self.reduce(linear(ops.silu_and_mul(linear(x, i, "gate_up")), i, "down"))
+                h = x if layer.mlp_in_norm is None else self.norm(x, layer.mlp_in_norm)
+                mlp = self.reduce(linear(self.gate(linear(h, i, "gate_up")), i, "down"))
                 x = x + self.norm(mlp, layer.mlp_out_norm)
             else:
                 h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
-                x = x + self.reduce(linear(ops.silu_and_mul(linear(h, i, "gate_up")), i, "down"))
+                x = x + self.reduce(linear(self.gate(linear(h, i, "gate_up")), i, "down"))
         if hidden:
             return self.norm(x if rows is None else x[rows], w.norm).float()
         return self._logits(x, rows)
@@ -152,15 +165,27 @@ class Model:
         return q32.to(q.dtype), k32.to(k.dtype)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The model's RMSNorm (OLMo 2's multiplies the weight in float32)."""
+        """The model's RMSNorm (OLMo 2's multiplies the weight in float32, Gemma's 1 + the weight)."""
         if self.reordered:
             return rms_norm_weighted_in_float32(x, weight, self.config.rms_norm_eps)
+        if self.sandwich:
+            return rms_norm_offset_weight(x, weight, self.config.rms_norm_eps)
         return self.ops.rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's activated gate times up, from their fused output."""
+        return self.ops.silu_and_mul(gate_up) if self.act_and_mul is None else self.act_and_mul(gate_up)
 
     def _logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Float32 logits of x's ``rows`` (None: every row)."""
         h = self.norm(x if rows is None else x[rows], self.weights.norm)
         return self.gather_logits(self.ops.linear(h, self.weights.lm_head).float())
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu with the tanh approximation of the gate's half, times the up half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _unsharded(partial: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,12 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [head_dim], or [q_size] with reordered norms
     k_norm: torch.Tensor | None
     o_proj: LinearWeight
-    post_norm: torch.Tensor  # after attention: on the residual sum, or with reordered norms on o_proj's output
+    # after attention: on the residual sum, or with reordered (OLMo 2) or sandwich (Gemma 3) norms on o_proj's output
+    post_norm: torch.Tensor
     gate_up: LinearWeight  # [2 * intermediate, hidden]
     down: LinearWeight
-    mlp_out_norm: torch.Tensor | None = None  # reordered norms: on the MLP's output
+    mlp_out_norm: torch.Tensor | None = None  # reordered and sandwich norms: on the MLP's output
+    mlp_in_norm: torch.Tensor | None = None  # sandwich norms: on the MLP's input
 
 
 @dataclass
@@ -163,7 +165,9 @@ def convert_weights(
                     get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
                 ),
                 down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
-                mlp_out_norm=get(p + "post_feedforward_layernorm.weight", (h,)) if c.reordered_norms else None,
+                mlp_out_norm=get(p + "post_feedforward_layernorm.weight", (h,))
+                if c.reordered_norms or c.sandwich_norms else None,
+                mlp_in_norm=get(p + "pre_feedforward_layernorm.weight", (h,)) if c.sandwich_norms else None,
             )
         )
     embed = get("embed_tokens.weight", (c.vocab_size, h))

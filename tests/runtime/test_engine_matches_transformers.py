@@ -157,3 +157,29 @@ def test_olmo2_in_bfloat16_drifts_from_float32_as_transformers_does(tmp_path) ->
     reference, theirs = transformers_logits(torch.float32), transformers_logits(torch.bfloat16)
     for r, t, o in zip(reference, theirs, ours, strict=True):
         assert (o - r).abs().max() < 1.5 * (t - r).abs().max()
+
+
+def test_gemma3_norm_and_geglu_round_as_transformers_in_bfloat16(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Gemma's RMSNorm multiplies 1 + its weight in float32 and rounds once; its MLP gates with tanh-approximated
+    gelu: in bfloat16 ours equal transformers' modules bit for bit."""
+    import torch
+    from transformers.models.gemma3 import modeling_gemma3 as gemma3
+
+    from warmstart.runtime.models.config import ModelConfig
+    from warmstart.runtime.models.model import Model, gelu_tanh_and_mul
+    from warmstart.runtime.models.weights import load_weights
+    from warmstart.runtime.random_model import make_random_model
+
+    config = ModelConfig.from_dict(FAMILIES["gemma3"])
+    model_dir = make_random_model(tmp_path, FAMILIES["gemma3"], seed=0, dtype="bfloat16")
+    model = Model(config, load_weights(model_dir, config, torch.bfloat16), max_positions=1024)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 64, generator=gen) * 3).bfloat16()
+    norm = gemma3.Gemma3RMSNorm(64, eps=config.rms_norm_eps).bfloat16()
+    hf_config = gemma3.Gemma3TextConfig(**{k: v for k, v in FAMILIES["gemma3"].items() if k != "architectures"})
+    mlp = gemma3.Gemma3MLP(hf_config).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(64, generator=gen))
+        assert torch.equal(model.norm(x, norm.weight), norm(x))
+        gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        assert torch.equal(mlp.down_proj(gelu_tanh_and_mul(gate_up)), mlp(x))

@@ -163,4 +163,29 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "vocab_size": 704,
         "pad_token_id": 0,  # Phi3Config's default (32000) lies outside this vocabulary
     },
+    # Sandwich norms with 1 + weight, q/k norms per head, GeGLU, sqrt(hidden) on the embeddings, q.k scaled by
+    # query_pre_attn_scalar (not head_dim), two sliding-window layers with their own rope base then a global one
+    # with linear scaling, tied.
+    "gemma3": {
+        **_COMMON,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 24,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "vocab_size": 896,
+    },
 }
