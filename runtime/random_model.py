@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEFAULT_TOKENIZER_VOCAB = 2048
 LOGIT_STD = 2.0
@@ -96,7 +96,7 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     else:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                   "gemma3_text": "Gemma3ForCausalLM"}
+                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
         arch = by_type.get(str(cfg.get("model_type", "")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -121,14 +121,15 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         qkv_bias, o_bias, mlp_bias = True, False, False
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         qkv_bias = o_bias = mlp_bias = False
-    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM"):
+    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = False
     else:  # Llama
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = bool(cfg.get("mlp_bias", False))
 
-    norm = "offset_norm" if arch == "Gemma3ForCausalLM" else "norm"  # Gemma stores a norm weight's offset from 1
+    gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    norm = "offset_norm" if gemma else "norm"  # Gemma stores a norm weight's offset from 1
     specs = [_Param("model.embed_tokens.weight", (vocab, hidden), "head" if tied else "embed")]
     for i in range(n_layers):
         p = f"model.layers.{i}."
@@ -157,7 +158,7 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
             specs.append(_Param(p + "self_attn.k_norm.weight", (kv_out,), "qk_norm"))
         # Gemma's post-block norms set the blocks' scale in the residual stream: OUT_GAIN's role
         specs.append(_Param(p + "post_attention_layernorm.weight", (hidden,),
-                            "out_offset_norm" if arch == "Gemma3ForCausalLM" else norm))
+                            "out_offset_norm" if gemma else norm))
         mlp: list[tuple[str, int, int, str]] = [("gate_proj", inter, hidden, "linear"),
                                                 ("up_proj", inter, hidden, "linear")]
         if arch == "Phi3ForCausalLM":  # gate and up in one matrix
@@ -169,7 +170,7 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
                 specs.append(_Param(f"{p}mlp.{proj}.bias", (out,), "bias"))
         if arch == "Olmo2ForCausalLM":
             specs.append(_Param(p + "post_feedforward_layernorm.weight", (hidden,), "norm"))
-        if arch == "Gemma3ForCausalLM":  # sandwich norms around the MLP too
+        if gemma:  # sandwich norms around the MLP too
             specs.append(_Param(p + "pre_feedforward_layernorm.weight", (hidden,), "offset_norm"))
             specs.append(_Param(p + "post_feedforward_layernorm.weight", (hidden,), "out_offset_norm"))
     specs.append(_Param("model.norm.weight", (hidden,), norm))

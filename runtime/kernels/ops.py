@@ -51,7 +51,7 @@ class TritonOps:
 
     def paged_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-        window: int | None, scale: float | None = None,
+        window: int | None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The engine's attention groups, each one kernel launch: q [N, heads, D] -> [N, heads * D]."""
         n, heads, head_dim = q.shape
@@ -63,14 +63,14 @@ class TritonOps:
             if g.is_decode:
                 seq_lens = (g.query_positions + 1).to(device=device, dtype=torch.int32)
                 o = paged_decode_attention(q[rows], cache, tables, seq_lens, g.first_key_position, window,
-                                           scale=scale)
+                                           scale=scale, softcap=softcap)
             else:  # one sequence's chunk, its queries the last of its positions
                 t = len(g.query_positions)
                 query_start = torch.tensor([0, t], dtype=torch.int32, device=device)
                 seq_lens = torch.tensor([int(g.query_positions[-1]) + 1], dtype=torch.int32, device=device)
                 first = g.first_key_position
                 o = paged_prefill_attention(q[rows], cache, tables, query_start, seq_lens, first, window,
-                                            scale=scale)
+                                            scale=scale, softcap=softcap)
             out[rows] = o
         return out.view(n, heads * head_dim)
 

@@ -73,7 +73,7 @@ if HAVE_TRITON:
     def paged_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr, cache_ptr, tables_ptr, query_start_ptr, seq_lens_ptr, tile_seq_ptr, tile_query_ptr,
         out_ptr, part_max_ptr, part_sum_ptr,
-        first_key_position, window, scale, table_width, cache_kv_stride, cache_head_stride,
+        first_key_position, window, scale, softcap, table_width, cache_kv_stride, cache_head_stride,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_K: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
@@ -125,6 +125,8 @@ if HAVE_TRITON:
             v = tl.load(k_base + cache_kv_stride + kv_offs, mask=kv_mask, other=0.0)
 
             scores = dot(q, tl.trans(k)) * scale
+            if softcap > 0:  # Gemma 2's: softcap * tanh(scores / softcap), tanh written with exp
+                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
             allowed = key_ok[None, :] & (key_position[None, :] <= position[:, None])
             if window > 0:
                 allowed &= key_position[None, :] > position[:, None] - window
@@ -195,6 +197,7 @@ def _launch(
     config: tuple[int, int, int],
     num_splits: int,
     scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     require_triton(HAVE_TRITON)
     tokens, heads, head_dim = q.shape
@@ -215,7 +218,8 @@ def _launch(
     d_pad = triton.next_power_of_2(head_dim)
     paged_attention_kernel[(tile_seq.shape[0], kv_heads, num_splits)](
         q, cache, block_tables, query_start, seq_lens, tile_seq, tile_query, part_out, part_max, part_sum,
-        first_key_position, window or 0, head_dim**-0.5 if scale is None else scale, block_tables.shape[1],
+        first_key_position, window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0,
+        block_tables.shape[1],
         kv_heads * num_blocks * block_size * head_dim, num_blocks * block_size * head_dim,
         NUM_HEADS=heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=heads // kv_heads, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_K=tile_k, NUM_SPLITS=num_splits,
@@ -237,6 +241,7 @@ def paged_decode_attention(
     window: int | None = None,
     num_splits: int | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q: [B, heads, D], at position seq_lens - 1 -> [B, heads, D].
 
@@ -252,7 +257,7 @@ def paged_decode_attention(
     rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     return _launch(
         q, cache, block_tables, rows, seq_lens, rows[:-1], torch.zeros_like(rows[:-1]), first_key_position,
-        window, config, num_splits, scale,
+        window, config, num_splits, scale, softcap,
     )
 
 
@@ -265,6 +270,7 @@ def paged_prefill_attention(
     first_key_position: int = 0,
     window: int | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A variable-length batch of new tokens, q: [T, heads, D], sequence s's in rows query_start[s]:[s+1],
     each the last tokens of its seq_lens[s] (its earlier tokens are a cached prefix in the pool) -> [T, heads, D]."""
@@ -276,5 +282,5 @@ def paged_prefill_attention(
     tile_query = torch.tensor([i for n in lengths for i in range(0, n, block_q)], dtype=torch.int32)
     return _launch(
         q, cache, block_tables, query_start, seq_lens, tile_seq.to(q.device), tile_query.to(q.device),
-        first_key_position, window, config, num_splits=1, scale=scale,
+        first_key_position, window, config, num_splits=1, scale=scale, softcap=softcap,
     )

@@ -175,14 +175,21 @@ def paged_attention(
     decode_kernel: bool = False,
     prefill_kernel: bool | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [N, heads, D] and this step's k_new, v_new: [N, kv_heads, D] (already in the pool) -> [N, heads * D].
 
     ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``), and prefill chunks on
     its prefill kernel where ``prefill_kernel_chosen``; ``prefill_kernel`` overrides that choice (tests).
-    ``scale`` multiplies q.k (default head_dim ** -0.5)."""
+    ``scale`` multiplies q.k (default head_dim ** -0.5); ``softcap`` caps the scores (Gemma 2), which no kernel
+    and not SDPA computes: every group then takes ``_softcapped_attention``."""
     n, heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
+    if softcap is not None:
+        capped = q.new_empty(n, heads * head_dim)
+        for g in meta.groups:
+            capped[g.rows] = _softcapped_attention(q[g.rows], cache, g, window, scale, softcap)
+        return capped
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
     whole = len(meta.groups) == 1  # one group holding every row in order: no gather or scatter of rows
@@ -244,6 +251,30 @@ def _prefill_attention(
             attn_mask=g.mask(window)[None, None], enable_gqa=gqa, scale=scale,
         )
     return o[0].transpose(0, 1).reshape(t, heads * head_dim)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, cache: torch.Tensor, g: AttentionGroup, window: int | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """One group's queries q [R, heads, D] -> [R, heads * D], over its blocks gathered from the pool, the float32
+    scores capped to softcap * tanh(scores / softcap) before the mask and the softmax."""
+    rows, heads, head_dim = q.shape
+    kv_heads = cache.shape[1]
+    group = heads // kv_heads
+    k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)  # [kv_heads, B, L, D]
+    bias = g.score_bias(window).to(q.device)  # [queries, L]
+    if g.is_decode:  # one query per sequence: [kv_heads, B, group, D]
+        queries = q.view(rows, kv_heads, group, head_dim).transpose(0, 1)
+        bias = bias[None, :, None, :]
+    else:  # one sequence's chunk: [kv_heads, 1, group * T, D], its rows head by head
+        queries = q.view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, 1, -1, head_dim)
+        bias = bias.repeat(group, 1)[None, None]
+    scores = torch.matmul(queries, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap + bias
+    o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+    if g.is_decode:
+        return o.transpose(0, 1).reshape(rows, heads * head_dim)
+    return o.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3).reshape(rows, heads * head_dim)
 
 
 def _decode_attention(

@@ -51,7 +51,7 @@ class Ops(Protocol):
 
     def paged_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-        window: int | None, scale: float | None = None,
+        window: int | None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -102,9 +102,10 @@ class TorchOps:
 
     def paged_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-        window: int | None, scale: float | None = None,
+        window: int | None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        return attention.paged_attention(q, k, v, cache, meta, window, self.decode_kernel, scale=scale)
+        return attention.paged_attention(q, k, v, cache, meta, window, self.decode_kernel, scale=scale,
+                                         softcap=softcap)
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.gemv_kernel:

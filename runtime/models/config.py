@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the MLP's gate, by the config's name for it
@@ -56,6 +57,8 @@ class ModelConfig:
     # float32 (q/k norms per head likewise)
     sandwich_norms: bool
     local_rope_theta: float | None  # Gemma 3's rope base on its sliding-window layers (theirs is plain rope)
+    attention_softcap: float | None  # Gemma 2's: scores become cap * tanh(scores / cap) before the softmax
+    final_softcap: float | None  # Gemma 2's, on the logits
     tie_word_embeddings: bool
     # One entry per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...]
@@ -107,7 +110,7 @@ class ModelConfig:
             )
         head_dim = int(raw.get("head_dim") or hidden // heads)
         num_layers = int(need("num_hidden_layers"))
-        gemma = _gemma3(raw, source, num_layers) if family == "gemma3" else {}
+        gemma = _gemma(raw, source, num_layers, family) if family in ("gemma2", "gemma3") else {}
         raw = {**raw, **gemma.pop("raw", {})}
         act_name = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act_name not in ACTIVATIONS:
@@ -162,9 +165,11 @@ class ModelConfig:
             fused_checkpoint=family == "phi3",
             activation=ACTIVATIONS[act_name],
             attention_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-            embedding_multiplier=hidden**0.5 if family == "gemma3" else 1.0,
-            sandwich_norms=family == "gemma3",
+            embedding_multiplier=hidden**0.5 if gemma else 1.0,
+            sandwich_norms=bool(gemma),
             local_rope_theta=gemma.get("local_rope_theta"),
+            attention_softcap=gemma.get("attention_softcap"),
+            final_softcap=gemma.get("final_softcap"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(raw, family, num_layers),
             bos_token_id=raw.get("bos_token_id"),
@@ -172,18 +177,19 @@ class ModelConfig:
         )
 
 
-def _gemma3(raw: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
-    """Gemma 3's config in the form the rest reads: its layer types (every sliding_window_pattern-th layer global),
-    the global layers' rope as rope_theta / rope_scaling, the local layers' base apart; what it cannot run, refused."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if raw.get(key) is not None:
-            raise ModelConfigError(f"{source}: {key}={raw[key]} is not supported (Gemma 3 sets none; Gemma 2's "
-                                   "soft-capping is not implemented)")
+def _gemma(raw: dict[str, Any], source: str, num_layers: int, family: str) -> dict[str, Any]:
+    """Gemma 2's and 3's config in the form the rest reads: their layer types (every sliding_window_pattern-th layer
+    global: 2 for Gemma 2, 6 for Gemma 3), Gemma 3's global layers' rope as rope_theta / rope_scaling and its local
+    layers' base apart, Gemma 2's soft-capping."""
     if raw.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{source}: use_bidirectional_attention=true (an encoder) is not supported")
-    pattern = int(raw.get("sliding_window_pattern") or 6)
+    softcaps = {"attention_softcap": raw.get("attn_logit_softcapping"),
+                "final_softcap": raw.get("final_logit_softcapping")}
+    pattern = int(raw.get("sliding_window_pattern") or (2 if family == "gemma2" else 6))
     layer_types = raw.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if family == "gemma2":
+        return {"raw": {"layer_types": layer_types}, **softcaps}
     by_type = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else None
     by_type = by_type if by_type and "full_attention" in by_type else {}
     full, local = by_type.get("full_attention") or {}, by_type.get("sliding_attention") or {}
@@ -192,6 +198,7 @@ def _gemma3(raw: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]
         "raw": {"layer_types": layer_types, "rope_theta": full.get("rope_theta") or raw.get("rope_theta") or 1e6,
                 "rope_scaling": scaling, "rope_parameters": None},
         "local_rope_theta": float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0),
+        **softcaps,
     }
 
 

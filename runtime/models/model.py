@@ -137,7 +137,7 @@ class Model:
             window = c.sliding_windows[i]
             q, k = self.rotate(q, k, local if local is not None and window is not None else rotary)
             ops.write_kv(kv_caches[i], k, v, meta.slot_mapping)
-            attn = ops.paged_attention(q, k, v, kv_caches[i], meta, window, c.attention_scale)
+            attn = ops.paged_attention(q, k, v, kv_caches[i], meta, window, c.attention_scale, c.attention_softcap)
             if i == last and self.wanted_rows_only and lora is None and not self.sharded and logits_index.numel() < n:
                 # The last layer's KV is written; past this point a row feeds nothing but its logits, so only the
                 # rows whose logits are wanted go on (a prompt's last token; none for a chunk before its last).
@@ -179,7 +179,9 @@ class Model:
     def _logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Float32 logits of x's ``rows`` (None: every row)."""
         h = self.norm(x if rows is None else x[rows], self.weights.norm)
-        return self.gather_logits(self.ops.linear(h, self.weights.lm_head).float())
+        logits = self.gather_logits(self.ops.linear(h, self.weights.lm_head).float())
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

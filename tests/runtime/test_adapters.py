@@ -71,7 +71,7 @@ def prompts(family: str, count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 40))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma2", "gemma3"])
 def test_every_adapter_type_matches_peft(tiny_model_dir, adapters_of, tmp_path: Path, family: str) -> None:
     model_dir = tiny_model_dir(family)
     adapters = adapters_of(family)

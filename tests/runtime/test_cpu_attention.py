@@ -146,9 +146,9 @@ def test_engine_uses_the_kernel_and_one_decode_group(tiny_model_dir, monkeypatch
     calls: list[int] = []
     kernel = attention._kernel_decode_attention
 
-    def counting(q, cache, g, window):  # type: ignore[no-untyped-def]
+    def counting(q, cache, g, window, scale):  # type: ignore[no-untyped-def]
         calls.append(q.shape[0])
-        return kernel(q, cache, g, window)
+        return kernel(q, cache, g, window, scale)
 
     monkeypatch.setattr(attention, "_kernel_decode_attention", counting)
     # the ordinary ops' attention: decode steps of up to 8 rows otherwise run whole in cpu_gemv.c (test_fused_decode.py)

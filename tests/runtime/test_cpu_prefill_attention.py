@@ -247,9 +247,9 @@ def test_engine_prefills_on_the_kernel(isa: str, tiny_model_dir, monkeypatch: py
     calls: list[int] = []
     kernel = attention._kernel_prefill_attention
 
-    def counting(out, q, cache, tables, seqs, window):  # type: ignore[no-untyped-def]
+    def counting(out, q, cache, tables, seqs, window, scale):  # type: ignore[no-untyped-def]
         calls.append(seqs.shape[0])
-        return kernel(out, q, cache, tables, seqs, window)
+        return kernel(out, q, cache, tables, seqs, window, scale)
 
     monkeypatch.setattr(attention, "_kernel_prefill_attention", counting)
     model_dir = tiny_model_dir("qwen2")

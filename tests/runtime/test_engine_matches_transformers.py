@@ -183,3 +183,22 @@ def test_gemma3_norm_and_geglu_round_as_transformers_in_bfloat16(tmp_path) -> No
         assert torch.equal(model.norm(x, norm.weight), norm(x))
         gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
         assert torch.equal(mlp.down_proj(gelu_tanh_and_mul(gate_up)), mlp(x))
+
+
+def test_gemma2_logits_are_soft_capped_as_transformers(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Greedy tokens cannot see the final soft-capping (tanh keeps the order): the logits themselves, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from warmstart.runtime.engine.model_runner import Chunk
+
+    model_dir = tiny_model_dir("gemma2")
+    prompts = [p for p in make_prompts(FAMILIES["gemma2"]["vocab_size"]) if 20 < len(p) < 64][:3]
+    engine = LLM.from_hf(model_dir, dtype="float32", num_kv_blocks=8, block_size=16).engine
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cap = FAMILIES["gemma2"]["final_logit_softcapping"]
+    for prompt in prompts:
+        ours = engine.runner.forward([Chunk(list(range(4)), prompt, 0, 1)])[0].float()
+        with torch.no_grad():
+            theirs = reference(torch.tensor([prompt])).logits[0, -1].float()
+        assert ours.abs().max() <= cap and torch.allclose(ours, theirs, atol=1e-4, rtol=0)

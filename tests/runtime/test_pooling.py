@@ -25,7 +25,7 @@ def reference(model_dir, prompts: list[list[int]], pooling: str) -> list[torch.T
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embeddings_equal_transformers(tiny_model_dir, family: str, pooling: str) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(0)

@@ -188,4 +188,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "vocab_size": 896,
     },
+    # Gemma 3's norms, GeGLU and scaling without its q/k norms, soft-capped attention scores and logits (caps small
+    # enough to bite on a random model), sliding and global layers alternating on one rope base; untied (tied, this
+    # random model echoes its input token).
+    "gemma2": {
+        **_COMMON,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": 24,
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 4.0,
+        "final_logit_softcapping": 6.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 960,
+    },
 }
