@@ -47,7 +47,8 @@ __all__ = [
 ]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEFAULT_TOKENIZER_VOCAB = 2048
 LOGIT_STD = 2.0
@@ -56,6 +57,7 @@ BIAS_STD = 0.2
 OUT_GAIN = 4.0
 UNUSED_ROW_SCALE = 0.1
 QK_GAIN = 2.0
+ROUTER_STD = 2.0
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -96,7 +98,8 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     else:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
         arch = by_type.get(str(cfg.get("model_type", "")), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -119,9 +122,10 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
     # Which biases exist, per family (as transformers builds the modules).
     if arch == "Qwen2ForCausalLM":
         qkv_bias, o_bias, mlp_bias = True, False, False
-    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         qkv_bias = o_bias = mlp_bias = False
-    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    elif arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                  "Qwen3MoeForCausalLM"):
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = False
     else:  # Llama
@@ -147,7 +151,7 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         specs.append(_Param(p + "self_attn.o_proj.weight", (hidden, n_heads * head_dim), "out"))
         if o_bias:
             specs.append(_Param(p + "self_attn.o_proj.bias", (hidden,), "bias"))
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             specs.append(_Param(p + "self_attn.q_norm.weight", (head_dim,), "qk_norm"))
             specs.append(_Param(p + "self_attn.k_norm.weight", (head_dim,), "qk_norm"))
         elif arch == "Gemma3ForCausalLM":  # per head, its weight an offset from 1
@@ -164,6 +168,9 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
         if arch == "Phi3ForCausalLM":  # gate and up in one matrix
             mlp = [("gate_up_proj", 2 * inter, hidden, "linear")]
         mlp.append(("down_proj", hidden, inter, "out"))
+        if experts_in(cfg, arch, i):  # a router and every expert's three matrices instead
+            specs += _expert_specs(cfg, arch, p, hidden)
+            mlp = []
         for proj, out, fan_in, kind in mlp:
             specs.append(_Param(f"{p}mlp.{proj}.weight", (out, fan_in), kind))
             if mlp_bias:
@@ -179,10 +186,39 @@ def _param_specs(cfg: Mapping[str, Any], arch: str) -> list[_Param]:
     return specs
 
 
+def experts_in(cfg: Mapping[str, Any], arch: str, layer: int) -> bool:
+    """Whether the layer routes to experts (Mixtral's all do; Qwen3-MoE's but for mlp_only_layers and the step)."""
+    if arch == "MixtralForCausalLM":
+        return True
+    if arch != "Qwen3MoeForCausalLM" or not cfg.get("num_experts"):
+        return False
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+def _expert_specs(cfg: Mapping[str, Any], arch: str, p: str, hidden: int) -> list[_Param]:
+    """A layer's router and experts, one tensor per expert and matrix, named as the hub's checkpoints name them."""
+    if arch == "MixtralForCausalLM":
+        mlp, names = "block_sparse_moe", ("w1", "w3", "w2")
+        count, inter = int(cfg["num_local_experts"]), int(cfg["intermediate_size"])
+    else:
+        mlp, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+        count, inter = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
+    specs = [_Param(f"{p}{mlp}.gate.weight", (count, hidden), "router")]
+    for e in range(count):
+        gate, up, down = names
+        specs += [_Param(f"{p}{mlp}.experts.{e}.{gate}.weight", (inter, hidden), "linear"),
+                  _Param(f"{p}{mlp}.experts.{e}.{up}.weight", (inter, hidden), "linear"),
+                  _Param(f"{p}{mlp}.experts.{e}.{down}.weight", (hidden, inter), "out")]
+    return specs
+
+
 def _random_tensor(spec: _Param, gen: torch.Generator, tokenizer_vocab: int) -> torch.Tensor:
     t = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
     if spec.kind == "norm":
         return t.mul_(NORM_NOISE).add_(1.0)
+    if spec.kind == "router":  # logits of std ROUTER_STD: decisive routing, so that a wrong expert shows
+        return t.mul_(ROUTER_STD / math.sqrt(spec.shape[1]))
     if spec.kind == "offset_norm":  # the same spread around 1, stored as the offset
         return t.mul_(NORM_NOISE)
     if spec.kind == "out_offset_norm":  # around OUT_GAIN, stored as the offset from 1

@@ -277,6 +277,9 @@ def _peft_pairs(
         if layer >= config.num_layers:
             raise ValueError(f"{what}: targets layer {layer}, the model has {config.num_layers} layers "
                              "(an adapter for another base model?)")
+        if m["parent"] == "mlp" and config.moe is not None and config.moe.layers[layer]:
+            raise ValueError(f"{what}: LoRA on layer {layer}'s experts is not supported; target the attention "
+                             "(q/k/v/o) of a Mixture-of-Experts model")
         if tensor.dim() != 2:
             raise ValueError(f"{what}: {key} has shape {tuple(tensor.shape)}; expected a matrix")
         pairs.setdefault((layer, module), {})[m["ab"]] = tensor

@@ -67,6 +67,9 @@ class TensorParallelError(ValueError):
 def check_divisible(config: ModelConfig, world: int) -> None:
     if world < 1:
         raise TensorParallelError(f"--tensor-parallel must be >= 1, got {world}")
+    if world > 1 and config.moe is not None:
+        raise TensorParallelError(f"{config.architecture}'s experts do not split among ranks yet; serve it with "
+                                  "--tensor-parallel 1")
     if world > 1 and config.reordered_norms:
         raise TensorParallelError(f"{config.architecture}'s q/k norms span all heads, which a rank holds only part "
                                   "of; serve it with --tensor-parallel 1")
@@ -114,6 +117,7 @@ def shard_weights(weights: ModelWeights, config: ModelConfig, rank: int, world: 
                  (c.q_size + c.kv_size + rank * kv_rows, kv_rows))
     layers = []
     for layer in weights.layers:
+        assert layer.gate_up is not None and layer.down is not None  # check_divisible refuses experts
         layers.append(LayerWeights(
             input_norm=layer.input_norm,
             qkv=_rows(layer.qkv, qkv_spans),

@@ -19,9 +19,23 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # the MLP's gate, by the config's name for it
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A Mixture-of-Experts MLP: each token's top ``top_k`` of ``num_experts`` experts by the router's softmax."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    normalize: bool  # the top-k probabilities renormalized to sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob)
+    weights_in_model_dtype: bool  # Qwen3-MoE rounds the routing weights to the model dtype; Mixtral keeps float32
+    layers: tuple[bool, ...]  # which layers route (the others have one dense MLP of intermediate_size)
 
 
 class ModelConfigError(ValueError):
@@ -59,6 +73,7 @@ class ModelConfig:
     local_rope_theta: float | None  # Gemma 3's rope base on its sliding-window layers (theirs is plain rope)
     attention_softcap: float | None  # Gemma 2's: scores become cap * tanh(scores / cap) before the softmax
     final_softcap: float | None  # Gemma 2's, on the logits
+    moe: MoeConfig | None  # Qwen3-MoE's and Mixtral's experts; None for a dense model
     tie_word_embeddings: bool
     # One entry per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...]
@@ -160,7 +175,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias")),
-            qk_norm=family in ("qwen3", "olmo2", "gemma3"),
+            qk_norm=family in ("qwen3", "olmo2", "gemma3", "qwen3_moe"),
             reordered_norms=family == "olmo2",
             fused_checkpoint=family == "phi3",
             activation=ACTIVATIONS[act_name],
@@ -170,11 +185,23 @@ class ModelConfig:
             local_rope_theta=gemma.get("local_rope_theta"),
             attention_softcap=gemma.get("attention_softcap"),
             final_softcap=gemma.get("final_softcap"),
+            moe=_moe(raw, family, num_layers) if family in ("qwen3_moe", "mixtral") else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(raw, family, num_layers),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _moe(raw: dict[str, Any], family: str, num_layers: int) -> MoeConfig:
+    if family == "mixtral":
+        return MoeConfig(int(raw.get("num_local_experts") or 8), int(raw.get("num_experts_per_tok") or 2),
+                         int(raw["intermediate_size"]), True, False, (True,) * num_layers)
+    step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or [])
+    experts = int(raw.get("num_experts") or 0)
+    layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoeConfig(experts, int(raw.get("num_experts_per_tok") or 8), int(raw.get("moe_intermediate_size") or 0),
+                     bool(raw.get("norm_topk_prob", False)), True, layers)
 
 
 def _gemma(raw: dict[str, Any], source: str, num_layers: int, family: str) -> dict[str, Any]:
@@ -236,12 +263,12 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 
 def _sliding_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return (None,) * num_layers
     layer_types = raw.get("layer_types")
-    if layer_types is None and family in ("qwen2", "qwen3"):
+    if layer_types is None and family in ("qwen2", "qwen3", "qwen3_moe"):
         first_sliding = int(raw.get("max_window_layers", num_layers))
         layer_types = ["sliding_attention" if i >= first_sliding else "full" for i in range(num_layers)]
     if layer_types is None:

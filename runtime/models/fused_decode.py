@@ -58,7 +58,8 @@ class FusedDecode:
         if c.head_dim % 2 or not decode_kernel_serves(embed.device, embed.dtype, c.num_heads // c.num_kv_heads,
                                                       c.head_dim):  # fmt: skip
             return None
-        if c.reordered_norms or c.sandwich_norms or c.activation != "silu" or c.embedding_multiplier != 1.0:
+        if (c.reordered_norms or c.sandwich_norms or c.activation != "silu" or c.embedding_multiplier != 1.0
+                or c.moe is not None):
             return None
         for layer in weights.layers:
             if layer.q_norm is not None or any(plain_weight(getattr(layer, f)) is None for f in LINEAR_FIELDS):

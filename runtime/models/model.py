@@ -21,6 +21,7 @@ from warmstart.runtime.kernels import cpu_lora
 from warmstart.runtime.layers import lora as torch_lora
 from warmstart.runtime.layers.attention import AttentionMetadata
 from warmstart.runtime.layers.lora import LoraStep
+from warmstart.runtime.layers.moe import Routing, experts_mlp
 from warmstart.runtime.layers.norm import rms_norm_offset_weight, rms_norm_weighted_in_float32
 from warmstart.runtime.layers.ops import select_ops
 from warmstart.runtime.layers.rotary import RotaryTables, apply_rotary
@@ -53,6 +54,8 @@ class Model:
             rotary_dtype, device)
         self.sandwich = config.sandwich_norms
         self.act_and_mul = gelu_tanh_and_mul if config.activation == "gelu_tanh" else None
+        moe = config.moe
+        self.routing = None if moe is None else Routing(moe.top_k, moe.normalize, moe.weights_in_model_dtype)
         self.ops = select_ops(device, self.dtype, (config.num_heads // config.num_kv_heads, config.head_dim))
         self.reduce: Collective = reduce or _unsharded
         self.gather_logits: Collective = gather_logits or _unsharded
@@ -147,11 +150,10 @@ class Model:
             if layer.mlp_out_norm is not None:  # reordered or sandwich: each block's output normalized, then added
                 x = x + self.norm(self.reduce(linear(attn, i, "o_proj")), layer.post_norm)
                 h = x if layer.mlp_in_norm is None else self.norm(x, layer.mlp_in_norm)
-                mlp = self.reduce(linear(self.gate(linear(h, i, "gate_up")), i, "down"))
-                x = x + self.norm(mlp, layer.mlp_out_norm)
+                x = x + self.norm(self._mlp(h, i, linear), layer.mlp_out_norm)
             else:
                 h, x = ops.add_rms_norm(self.reduce(linear(attn, i, "o_proj")), x, layer.post_norm, eps)
-                x = x + self.reduce(linear(self.gate(linear(h, i, "gate_up")), i, "down"))
+                x = x + self._mlp(h, i, linear)
         if hidden:
             return self.norm(x if rows is None else x[rows], w.norm).float()
         return self._logits(x, rows)
@@ -171,6 +173,14 @@ class Model:
         if self.sandwich:
             return rms_norm_offset_weight(x, weight, self.config.rms_norm_eps)
         return self.ops.rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _mlp(self, h: torch.Tensor, i: int, linear: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Layer i's MLP: dense (gate_up, the activation, down), or its experts."""
+        layer = self.weights.layers[i]
+        if layer.router is not None and layer.experts_gate_up is not None and layer.experts_down is not None:
+            assert self.routing is not None
+            return experts_mlp(h, layer.router, layer.experts_gate_up, layer.experts_down, self.routing, self.gate)
+        return self.reduce(linear(self.gate(linear(h, i, "gate_up")), i, "down"))
 
     def gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's activated gate times up, from their fused output."""

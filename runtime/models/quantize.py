@@ -22,6 +22,9 @@ def quantize_model(
         raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if scheme == "none":
         return weights
+    if any(layer.experts_gate_up is not None for layer in weights.layers):
+        raise ValueError("quantized experts are not supported yet; build a Mixture-of-Experts "
+                         "model with --quant none")
     named = {f"layers.{i}.{f}": getattr(layer, f) for i, layer in enumerate(weights.layers) for f in LINEAR_FIELDS}
     if quantize_head:
         named["lm_head"] = weights.lm_head

@@ -35,10 +35,15 @@ class LayerWeights:
     o_proj: LinearWeight
     # after attention: on the residual sum, or with reordered (OLMo 2) or sandwich (Gemma 3) norms on o_proj's output
     post_norm: torch.Tensor
-    gate_up: LinearWeight  # [2 * intermediate, hidden]
-    down: LinearWeight
+    gate_up: LinearWeight | None  # [2 * intermediate, hidden]; None in a layer of experts
+    down: LinearWeight | None
     mlp_out_norm: torch.Tensor | None = None  # reordered and sandwich norms: on the MLP's output
     mlp_in_norm: torch.Tensor | None = None  # sandwich norms: on the MLP's input
+    # A layer of experts (Mixture-of-Experts) in place of gate_up and down: the router [experts, hidden], and every
+    # expert's matrices stacked, [experts, 2 * expert intermediate, hidden] and [experts, hidden, intermediate]
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
 
 
 @dataclass
@@ -135,6 +140,7 @@ def convert_weights(
         return torch.cat(parts, dim=0).contiguous()
 
     h, d = c.hidden_size, c.head_dim
+    moe = c.moe
     q_norm_shape, k_norm_shape = ((c.q_size,), (c.kv_size,)) if c.reordered_norms else ((d,), (d,))
     layers = []
     for i in range(c.num_layers):
@@ -159,12 +165,14 @@ def convert_weights(
                 k_norm=get(a + "k_norm.weight", k_norm_shape) if c.qk_norm else None,
                 o_proj=get(a + "o_proj.weight", (h, c.q_size)),
                 post_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=get(p + "mlp.gate_up_proj.weight", (2 * c.intermediate_size, h)) if c.fused_checkpoint
+                gate_up=None if moe and moe.layers[i] else
+                get(p + "mlp.gate_up_proj.weight", (2 * c.intermediate_size, h)) if c.fused_checkpoint
                 else fused(
                     get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
                     get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
                 ),
-                down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+                down=None if moe and moe.layers[i] else get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+                **(_experts(get, p, c) if moe and moe.layers[i] else {}),
                 mlp_out_norm=get(p + "post_feedforward_layernorm.weight", (h,))
                 if c.reordered_norms or c.sandwich_norms else None,
                 mlp_in_norm=get(p + "pre_feedforward_layernorm.weight", (h,)) if c.sandwich_norms else None,
@@ -186,6 +194,25 @@ def convert_weights(
         shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
         raise ModelConfigError(f"{source}: unexpected tensors for {c.architecture}: {shown}")
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+# Where a checkpoint keeps a layer's experts: (MLP module, router, expert's gate, up, down)
+_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
+
+
+def _experts(get: Any, prefix: str, c: ModelConfig) -> dict[str, torch.Tensor]:
+    """A layer's router and its experts' matrices, stacked: the HF checkpoint's one tensor per expert and matrix."""
+    assert c.moe is not None
+    mlp, router, gate, up, down = _EXPERT_NAMES[c.family]
+    h, inter, p = c.hidden_size, c.moe.intermediate_size, f"{prefix}{mlp}."
+    experts = range(c.moe.num_experts)
+    return {
+        "router": get(p + f"{router}.weight", (c.moe.num_experts, h)),
+        "experts_gate_up": torch.stack([torch.cat([get(p + f"experts.{e}.{gate}.weight", (inter, h)),
+                                                   get(p + f"experts.{e}.{up}.weight", (inter, h))]) for e in experts]),
+        "experts_down": torch.stack([get(p + f"experts.{e}.{down}.weight", (h, inter)) for e in experts]),
+    }
 
 
 def weights_to(weights: ModelWeights, device: torch.device) -> ModelWeights:

@@ -55,6 +55,9 @@ def loras_of(tmp_path_factory, tiny_model_dir):  # type: ignore[no-untyped-def]
 
 
 def for_family(family: str, options: dict[str, Any]) -> dict[str, Any]:
+    if family in ("qwen3_moe", "mixtral"):  # LoRA on the attention alone: no adapter reaches the experts
+        attention = [m for m in options["target_modules"] if m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        return {**options, "target_modules": attention or ["q_proj", "o_proj"], "rank_pattern": {}}
     if family != "phi3":
         return options
     return {**options, "target_modules": sorted({PHI3_MODULES.get(m, m) for m in options["target_modules"]}),
@@ -251,3 +254,16 @@ def test_llm_takes_every_engine_option_by_name(tiny_model_dir) -> None:  # type:
     assert (llm.engine.options.max_loras, llm.engine.options.max_lora_rank) == (2, 8)
     with pytest.raises(ValueError, match=r"unknown engine option 'max_lora'; the options are .*max_loras"):
         LLM.from_hf(tiny_model_dir("llama"), max_lora=2)
+
+
+def test_lora_on_experts_is_refused_and_on_a_dense_layer_of_an_moe_model_served() -> None:
+    config = ModelConfig.from_dict(FAMILIES["qwen3_moe"])  # layer 1 is dense (mlp_only_layers)
+    peft = {"peft_type": "LORA", "r": 2, "lora_alpha": 2}
+
+    def adapter(layer: int) -> dict[str, torch.Tensor]:
+        p = f"base_model.model.model.layers.{layer}.mlp.gate_proj"
+        return {f"{p}.lora_A.weight": torch.ones(2, 64), f"{p}.lora_B.weight": torch.ones(96, 2)}
+
+    with pytest.raises(ValueError, match="LoRA on layer 0's experts is not supported; target the attention"):
+        lora_from_peft("x", peft, adapter(0), config, torch.float32)
+    assert lora_from_peft("x", peft, adapter(1), config, torch.float32).targets == ["gate_proj"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,38 @@ def _state(path: pathlib.Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(f))
-    return tensors
+    return _experts_stacked(tensors)
+
+
+# The hub's MoE checkpoints hold one tensor per expert and matrix; transformers stacks them as it loads
+_EXPERT = re.compile(r"(?P<layer>model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\."
+                     r"(?:gate\.weight|experts\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight)$")
+
+
+def _experts_stacked(named: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint names (and tensors, or shapes) as transformers' model has them: experts stacked into
+    mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I], Mixtral's block_sparse_moe as mlp."""
+    out, experts = {}, {}
+    for name, value in named.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = value
+        elif m["e"] is None:
+            out[f"{m['layer']}.mlp.gate.weight"] = value
+        else:
+            experts.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[m["w"]] = value
+    for layer, by_expert in experts.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        parts = [(x.get("gate_proj", x.get("w1")), x.get("up_proj", x.get("w3")), x.get("down_proj", x.get("w2")))
+                 for x in ordered]
+        if isinstance(parts[0][0], torch.Tensor):
+            out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in parts])
+            out[f"{layer}.mlp.experts.down_proj"] = torch.stack([d for _, _, d in parts])
+        else:  # shapes
+            (gate, hidden), (down_out, inter) = parts[0][0], parts[0][2]
+            out[f"{layer}.mlp.experts.gate_up_proj"] = (len(parts), 2 * gate, hidden)
+            out[f"{layer}.mlp.experts.down_proj"] = (len(parts), down_out, inter)
+    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -169,7 +201,7 @@ def test_param_specs_match_a_transformers_model_built_from_config() -> None:
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if cfg["tie_word_embeddings"]:
             expected.pop("lm_head.weight")
-        ours = {p.name: p.shape for p in _param_specs(cfg, cfg["architectures"][0])}
+        ours = _experts_stacked({p.name: p.shape for p in _param_specs(cfg, cfg["architectures"][0])})
         assert ours == expected, name
 
 
