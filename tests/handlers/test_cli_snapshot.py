@@ -98,16 +98,16 @@ def test_an_unsupported_architecture_is_one_line_before_any_work(tiny_model_dir,
     """The architecture is read first: one line naming the ones warmstart runs, and nothing converted or stored."""
     from warmstart.runtime.models.config import SUPPORTED_ARCHITECTURES
 
-    model = tmp_path / "gemma"
+    model = tmp_path / "neox"
     shutil.copytree(tiny_model_dir("llama"), model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma2ForCausalLM"],
-                                                   "model_type": "gemma2"}))
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"],
+                                                   "model_type": "gpt_neox"}))
     store, cache = tmp_path / "store", tmp_path / "cache"
     proc = warmstart(command, str(model), "--store", str(store), "--cache", str(cache), "--port", "0", env=env) \
         if command == "serve" else warmstart(command, str(model), "--store", str(store), env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("warmstart: error:") and "Gemma2ForCausalLM" in line and "not supported" in line
+    assert line.startswith("warmstart: error:") and "GPTNeoXForCausalLM" in line and "not supported" in line
     assert all(arch in line for arch in SUPPORTED_ARCHITECTURES)
     assert not list(store.rglob("*.msgpack")) and not list(store.glob("blobs/*"))
