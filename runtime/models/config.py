@@ -53,6 +53,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # the leading dimensions of a head that rotate: head_dim, fewer with a partial_rotary_factor
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
@@ -140,9 +141,10 @@ class ModelConfig:
         rope_theta = float(raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0)
         partial_rotary = float(raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor")
                                or 1.0)
-        if partial_rotary != 1.0:
-            raise ModelConfigError(f"{source}: partial_rotary_factor={partial_rotary} is not supported (the rotary "
-                                   "covers every dimension of a head)")
+        rotary_dim = int(head_dim * partial_rotary)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ModelConfigError(f"{source}: partial_rotary_factor={partial_rotary} gives {rotary_dim} rotary "
+                                   f"dimensions of a head of {head_dim}; they must be even and at most head_dim")
         max_positions = int(raw.get("max_position_embeddings") or 2048)
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
@@ -170,6 +172,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
+            rotary_dim=rotary_dim,
             max_position_embeddings=max_positions,
             rms_norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta,
@@ -278,7 +281,7 @@ def _sliding_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale, computed exactly as transformers does for each rope type."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -308,7 +311,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def _yarn_inv_freq(config: ModelConfig, scaling: dict[str, Any], factor: float) -> tuple[torch.Tensor, float]:
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta
     original_max = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
 

@@ -59,7 +59,7 @@ class FusedDecode:
                                                       c.head_dim):  # fmt: skip
             return None
         if (c.reordered_norms or c.sandwich_norms or c.activation != "silu" or c.embedding_multiplier != 1.0
-                or c.moe is not None):
+                or c.moe is not None or c.rotary_dim != c.head_dim):
             return None
         for layer in weights.layers:
             if layer.q_norm is not None or any(plain_weight(getattr(layer, f)) is None for f in LINEAR_FIELDS):

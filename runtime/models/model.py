@@ -47,6 +47,7 @@ class Model:
         device = self.device = weights.embed.device
         self.reordered = config.reordered_norms
         rotary_dtype = torch.float32 if self.reordered else self.dtype
+        self.partial_rotary = config.rotary_dim < config.head_dim  # rotated in PyTorch: the ops rotate whole heads
         self.rotary = RotaryTables(*rope_inv_freq(config), max_positions, rotary_dtype, device)
         # Gemma 3's sliding-window layers rotate with plain rope of their own base
         self.local_rotary = None if config.local_rope_theta is None else RotaryTables(
@@ -122,7 +123,8 @@ class Model:
                 if logits is not None:
                     return logits
             return self._logits(fused.run(x.contiguous(), positions, kv_caches, meta), logits_index)
-        rotary = self.rotary.lookup(positions) if self.reordered else ops.rotary_args(self.rotary, positions)
+        own_rotary = self.reordered or self.partial_rotary
+        rotary = self.rotary.lookup(positions) if own_rotary else ops.rotary_args(self.rotary, positions)
         local = None if self.local_rotary is None else ops.rotary_args(self.local_rotary, positions)
         last = len(w.layers) - 1
         rows: torch.Tensor | None = logits_index
@@ -160,7 +162,11 @@ class Model:
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k at their positions (``rotary``: the step's rotary arguments); OLMo 2's in float32 (its tables'
-        dtype), rounded once."""
+        dtype), rounded once; with a partial rotary only the leading rotary_dim dimensions of each head."""
+        if self.partial_rotary:
+            d = self.config.rotary_dim
+            q_rot, k_rot = apply_rotary(q[..., :d], k[..., :d], *rotary)
+            return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
         if not self.reordered:
             return self.ops.rotary(q, k, rotary)
         q32, k32 = apply_rotary(q, k, *rotary)

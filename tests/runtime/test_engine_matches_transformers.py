@@ -202,3 +202,16 @@ def test_gemma2_logits_are_soft_capped_as_transformers(tiny_model_dir) -> None: 
         with torch.no_grad():
             theirs = reference(torch.tensor([prompt])).logits[0, -1].float()
         assert ours.abs().max() <= cap and torch.allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_a_partial_rotary_matches(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Phi-4-mini's form: half of each head rotates (partial_rotary_factor), the rest passes through."""
+    from warmstart.runtime.random_model import make_random_model
+
+    config = {**FAMILIES["phi3"], "partial_rotary_factor": 0.5,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.2, 1.7, 2.5],
+                               "long_factor": [1.0, 2.0, 4.0, 8.0]}}  # fmt: skip
+    model_dir = make_random_model(tmp_path / "phi4-mini-like", config, seed=0, dtype="float32")
+    prompts = make_prompts(config["vocab_size"])[:8]
+    _, outs = run(model_dir, prompts, num_kv_blocks=256)
+    assert_all_match(model_dir, prompts, outs)

@@ -65,6 +65,19 @@ def test_longrope_is_phi3s_short_factors_within_the_original_context(scaling: di
     assert config.max_position_embeddings == 4096
 
 
-def test_a_partial_rotary_is_refused() -> None:
-    with pytest.raises(ModelConfigError, match="partial_rotary_factor=0.75 is not supported"):
-        ModelConfig.from_dict({**PHI3, "partial_rotary_factor": 0.75})
+def test_a_partial_rotary_rotates_its_share_of_a_head() -> None:
+    """Phi-4-mini: 3/4 of each head rotates, with LongRoPE factors for those dimensions alone."""
+    from transformers import Phi3Config
+
+    short = SHORT[:12]
+    raw = {**PHI3, "partial_rotary_factor": 0.75,
+           "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": LONG[:12]}}
+    config = ModelConfig.from_dict(raw)
+    assert (config.head_dim, config.rotary_dim) == (32, 24)
+    ours, scale = rope_inv_freq(config)
+    reference = Phi3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "rope_scaling")},
+                           rope_scaling={**raw["rope_scaling"], "type": "longrope"})  # fmt: skip
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["longrope"](reference, torch.device("cpu"))
+    assert torch.equal(ours, theirs) and scale == pytest.approx(their_scale, rel=1e-12)
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor=0.3 gives 9 rotary dimensions"):
+        ModelConfig.from_dict({**PHI3, "partial_rotary_factor": 0.3})
