@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from warmstart.runtime.quant.formats import QuantizedExperts
 
 
 @dataclass(frozen=True)
@@ -27,15 +30,23 @@ def route(h: torch.Tensor, router: torch.Tensor, routing: Routing) -> tuple[torc
     return (weights.to(h.dtype) if routing.weights_in_model_dtype else weights), experts
 
 
+Experts = torch.Tensor | QuantizedExperts
+
+
 def experts_mlp(
-    h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: Routing,
-    act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor, router: torch.Tensor, gate_up: Experts, down: Experts, routing: Routing,
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor], linear: Callable[[torch.Tensor, Any], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
-    """h [N, hidden] through the experts: gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter]."""
+    """h [N, hidden] through the experts: gate_up [experts, 2 * inter, hidden], down [experts, hidden, inter], float
+    or each expert quantized; ``linear`` multiplies by one expert's matrix (the ops' linear, which knows both)."""
     weights, chosen = route(h, router, routing)
     out = torch.zeros_like(h)
     for e in chosen.unique().tolist():  # sorted: the sums run in transformers' order
         tokens, slot = (chosen == e).nonzero(as_tuple=True)
-        y = F.linear(act_and_mul(F.linear(h[tokens], gate_up[e])), down[e])
+        y = linear(act_and_mul(linear(h[tokens], expert(gate_up, e))), expert(down, e))
         out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
     return out
+
+
+def expert(w: Experts, e: int) -> Any:
+    return w[e] if isinstance(w, torch.Tensor) else w.experts[e]

@@ -185,7 +185,8 @@ class Model:
         layer = self.weights.layers[i]
         if layer.router is not None and layer.experts_gate_up is not None and layer.experts_down is not None:
             assert self.routing is not None
-            return experts_mlp(h, layer.router, layer.experts_gate_up, layer.experts_down, self.routing, self.gate)
+            return experts_mlp(h, layer.router, layer.experts_gate_up, layer.experts_down, self.routing, self.gate,
+                               self.ops.linear)
         return self.reduce(linear(self.gate(linear(h, i, "gate_up")), i, "down"))
 
     def gate(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from warmstart.runtime.kernels.cpu_gemv import gemv_serves
 from warmstart.runtime.layers.linear import LinearWeight, packing_dtype
 from warmstart.runtime.models.config import ModelConfig, ModelConfigError
 from warmstart.runtime.models.huge_pages import HugePageArena
-from warmstart.runtime.quant.formats import from_tensors
+from warmstart.runtime.quant.formats import QuantizedExperts, from_tensors
 from warmstart.runtime.quant.packed_linear import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ class LayerWeights:
     # A layer of experts (Mixture-of-Experts) in place of gate_up and down: the router [experts, hidden], and every
     # expert's matrices stacked, [experts, 2 * expert intermediate, hidden] and [experts, hidden, intermediate]
     router: torch.Tensor | None = None
-    experts_gate_up: torch.Tensor | None = None
-    experts_down: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | QuantizedExperts | None = None
+    experts_down: torch.Tensor | QuantizedExperts | None = None
 
 
 @dataclass

@@ -327,7 +327,44 @@ def _nf4_table(dtype: torch.dtype) -> tuple[torch.Tensor, int]:
 
 # -- shared -------------------------------------------------------------------------------------------------
 
-_CLASSES: dict[str, type[QuantizedWeight]] = {c.scheme: c for c in (Int8Weight, Int4Weight, NF4Weight)}
+# -- a layer's experts ----------------------------------------------------------------------------------------
+
+
+class QuantizedExperts(QuantizedWeight):
+    """A Mixture-of-Experts layer's stacked matrices [experts, N, K], each expert quantized on its own in one
+    scheme; stored as every part of theirs stacked along a first dimension of experts."""
+
+    scheme = "experts"
+
+    def __init__(self, experts: list[QuantizedWeight]) -> None:
+        self.experts = experts
+        self.shape = experts[0].shape  # one expert's
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a layer's experts are no one matrix: multiply by .experts[e]")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([e.dequantize(dtype) for e in self.experts])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        parts = [e.tensors() for e in self.experts]
+        return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
+
+    def meta(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "shape": list(self.shape), "experts": len(self.experts),
+                "expert": self.experts[0].meta()}
+
+    @classmethod
+    def from_tensors(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> QuantizedExperts:
+        count, inner = int(meta["experts"]), meta["expert"]
+        if any(t.shape[0] != count for t in tensors.values()):
+            raise ValueError(f"experts weight {meta['shape']}: its parts do not hold {count} experts")
+        return cls([from_tensors(inner, {name: t[e] for name, t in tensors.items()}) for e in range(count)])
+
+
+_CLASSES: dict[str, type[QuantizedWeight]] = {
+    c.scheme: c for c in (Int8Weight, Int4Weight, NF4Weight, QuantizedExperts)
+}
 _scratch = threading.local()
 
 

@@ -324,6 +324,40 @@ def test_quantized_model_generates_and_survives_the_snapshot_round_trip(tiny_mod
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_experts_generate_and_survive_the_snapshot_round_trip(tiny_model_dir: ModelDir, scheme: str) -> None:
+    """A Mixture-of-Experts layer's experts, each quantized alone and stored stacked, one tensor per part."""
+    config, weights = tiny_weights(tiny_model_dir, "mixtral", torch.bfloat16)
+    quantized = quantize_model(weights, scheme)
+    experts = quantized.layers[0].experts_gate_up
+    assert isinstance(experts, quant.QuantizedExperts) and len(experts.experts) == 4
+    assert all(e.scheme == scheme for e in experts.experts)
+    stacked = experts.tensors()
+    assert all(t.shape[0] == 4 for t in stacked.values()) and experts.meta()["expert"]["scheme"] == scheme
+    gate_up = weights.layers[0].experts_gate_up
+    assert isinstance(gate_up, torch.Tensor)
+    assert torch.equal(experts.dequantize(torch.float32)[2], experts.experts[2].dequantize(torch.float32))
+    tokenizer = Tokenizer(tiny_model_dir("mixtral"))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = ["The quick brown fox", "Once upon a time, in a small village by the sea", "Hello"]
+    outputs = []
+    for w in (quantized, rebuilt_from_snapshot_parts(quantized)):
+        engine = LLMEngine.from_weights(config, w, tokenizer, EngineOptions(dtype="bfloat16", num_kv_blocks=64))
+        outputs.append([o.token_ids for o in LLM(engine).generate(prompts, params)])
+    assert all(len(t) == 10 for t in outputs[0]) and outputs[0] == outputs[1]
+    float_weights = tiny_weights(tiny_model_dir, "mixtral", torch.float32)[1]
+    g = torch.Generator().manual_seed(0)
+    prompts_ids = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 17, 30, 12, 21)]
+    report = compare_to_float(Model(config, float_weights, 256),
+                              Model(config, quantize_model(float_weights, scheme), 256), prompts_ids)
+    # deterministic figures: int8 0.97 of top tokens and 12.5 of 16 greedy tokens; int4 (groups of 32 on a random
+    # model: coarse) 0.55, a mean logit error of 0.61 against logits of std ~2
+    if scheme == "int8":
+        assert report["top1_agreement"] >= 0.9 and report["mean_matching_prefix"] >= 0.5 * report["max_tokens"]
+    else:
+        assert 0.1 < report["mean_abs_logit_diff"] < 1.0
+
+
 PROMPT_LENGTHS = (5, 9, 17, 30, 3, 12, 40, 21)
 
 

@@ -238,7 +238,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
         "hidden_size": 64,
-        "intermediate_size": 80,
+        "intermediate_size": 96,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "num_hidden_layers": 2,
