@@ -181,15 +181,12 @@ def paged_attention(
 
     ``decode_kernel``: decode groups run on the C kernel (see ``decode_kernel_serves``), and prefill chunks on
     its prefill kernel where ``prefill_kernel_chosen``; ``prefill_kernel`` overrides that choice (tests).
-    ``scale`` multiplies q.k (default head_dim ** -0.5); ``softcap`` caps the scores (Gemma 2), which no kernel
-    and not SDPA computes: every group then takes ``_softcapped_attention``."""
+    ``scale`` multiplies q.k (default head_dim ** -0.5); ``softcap`` caps the scores (Gemma 2), which neither C
+    kernel nor SDPA computes: every group then takes the gather-and-matmul path."""
     n, heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
     if softcap is not None:
-        capped = q.new_empty(n, heads * head_dim)
-        for g in meta.groups:
-            capped[g.rows] = _softcapped_attention(q[g.rows], cache, g, window, scale, softcap)
-        return capped
+        decode_kernel = prefill_kernel = False
     kv_heads = cache.shape[1]
     group_size = heads // kv_heads
     whole = len(meta.groups) == 1  # one group holding every row in order: no gather or scatter of rows
@@ -213,8 +210,10 @@ def paged_attention(
             k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)
             # [B, heads, D] -> [kv_heads, B, group, D]: the query heads sharing a KV head are rows of one block.
             qd = qg.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
-            o = _decode_attention(qd, k, v, g.score_bias(window)[None, :, None, :], scale)
+            o = _decode_attention(qd, k, v, g.score_bias(window)[None, :, None, :], scale, softcap)
             o = o.transpose(0, 1).reshape(batch, heads * head_dim)
+        elif softcap is not None:
+            o = _softcapped_prefill_attention(qg, cache, g, window, scale, softcap)
         else:
             o = _prefill_attention(qg, k_new[g.rows], v_new[g.rows], cache, g, window, scale)
         if out is None:
@@ -253,40 +252,34 @@ def _prefill_attention(
     return o[0].transpose(0, 1).reshape(t, heads * head_dim)
 
 
-def _softcapped_attention(
+def _softcapped_prefill_attention(
     q: torch.Tensor, cache: torch.Tensor, g: AttentionGroup, window: int | None, scale: float, softcap: float
 ) -> torch.Tensor:
-    """One group's queries q [R, heads, D] -> [R, heads * D], over its blocks gathered from the pool, the float32
-    scores capped to softcap * tanh(scores / softcap) before the mask and the softmax."""
-    rows, heads, head_dim = q.shape
+    """One sequence's chunk of T queries [T, heads, D] -> [T, heads * D] by ``_decode_attention`` over its gathered
+    blocks: the query heads sharing a KV head become rows of one block, head by head."""
+    t, heads, head_dim = q.shape
     kv_heads = cache.shape[1]
     group = heads // kv_heads
-    k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)  # [kv_heads, B, L, D]
-    bias = g.score_bias(window).to(q.device)  # [queries, L]
-    if g.is_decode:  # one query per sequence: [kv_heads, B, group, D]
-        queries = q.view(rows, kv_heads, group, head_dim).transpose(0, 1)
-        bias = bias[None, :, None, :]
-    else:  # one sequence's chunk: [kv_heads, 1, group * T, D], its rows head by head
-        queries = q.view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, 1, -1, head_dim)
-        bias = bias.repeat(group, 1)[None, None]
-    scores = torch.matmul(queries, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap + bias
-    o = torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
-    if g.is_decode:
-        return o.transpose(0, 1).reshape(rows, heads * head_dim)
-    return o.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3).reshape(rows, heads * head_dim)
+    k, v = _gather_blocks(cache[0], g), _gather_blocks(cache[1], g)  # [kv_heads, 1, L, D]
+    queries = q.view(t, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, 1, group * t, head_dim)
+    bias = g.score_bias(window).repeat(group, 1)[None, None]  # [1, 1, group * T, L]
+    o = _decode_attention(queries, k, v, bias, scale, softcap)
+    return o.view(kv_heads, group, t, head_dim).permute(2, 0, 1, 3).reshape(t, heads * head_dim)
 
 
 def _decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, softcap: float | None = None
 ) -> torch.Tensor:
     """q: [kv_heads, B, group, D]; k, v: [kv_heads, B, L, D]; bias broadcasts to [kv_heads, B, group, L].
+    ``softcap``: the float32 scores become softcap * tanh(scores / softcap) before the mask.
 
     Two batched matmuls with a float32 softmax: on the CPU this measured several times faster in bfloat16
     than SDPA's flash kernel for single-token queries, and as fast in float32.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
-    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.matmul((scores + bias).softmax(dim=-1).to(q.dtype), v)
 
 
 def _kernel_decode_attention(

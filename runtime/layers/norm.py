@@ -5,24 +5,24 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its root mean square, in float32."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * _normalized(x, eps).to(x.dtype)
 
 
 def rms_norm_weighted_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """OLMo 2's RMSNorm: the weight multiplies the float32 normalized values, and only the product is rounded."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * x32).to(x.dtype)
+    return (weight * _normalized(x, eps)).to(x.dtype)
 
 
 def rms_norm_offset_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: the weight stored as its offset from 1, multiplied in float32, the product rounded once."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return (_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def add_rms_norm(
